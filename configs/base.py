@@ -1,0 +1,36 @@
+"""Defaults every experiment builds on. Field letters follow NanoDO: V, D, H, L, F."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  # Fields of lm.model.ModelConfig; `attention` is a name in lm.attention.PRESETS.
+  c.model = ml_collections.ConfigDict(dict(
+      V=32_000, D=512, H=8, L=6, F=2048, qkv_dim=0, attention="softmax",
+      attention_impl="reference", attention_dropout=0.0, causal=True, positions="rotary",
+      max_len=2048, rope_base=10_000.0, relative_buckets=32, relative_max_distance=128,
+      tied_embeddings=False, input_dim=0, dtype="float32", remat=False))
+  c.data = ml_collections.ConfigDict(dict(
+      source="shakespeare",   # the embedded corpus, prepared into `dir` on first use
+      dir="data/shakespeare",
+      tokenizer="",           # a SentencePiece .model; empty: the one trained in `dir` for model.V
+      seq_len=512,
+      packing_bins=64,
+      threads=2,
+  ))
+  c.train = ml_collections.ConfigDict(dict(
+      steps=10_000,
+      batch_size=256,         # global, in rows of seq_len tokens
+      lr=1.6e-3, warmup_steps=1000, end_lr_frac=0.1,
+      b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1, grad_clip=1.0,
+      log_every_steps=50,
+  ))
+  # Device mesh: the product must equal the device count; -1 takes what the others leave.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  c.eval = ml_collections.ConfigDict(dict(
+      every_steps=1000,
+      batch_size=64,          # global rows per evaluation step
+  ))
+  return c

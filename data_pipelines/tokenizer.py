@@ -1,0 +1,71 @@
+"""SentencePiece tokenizers: training one on a corpus's train split, loading any model file."""
+
+import os
+from typing import Iterator
+
+import grain
+import numpy as np
+import sentencepiece as spm
+from etils import epath
+
+from data_pipelines import records
+
+# Ids fixed by our trained models; loaded models report their own (the T5 model has no BOS).
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+
+
+def model_path(data_dir: str | os.PathLike, vocab_size: int) -> epath.Path:
+  return epath.Path(data_dir) / f"spm_bpe_{vocab_size}.model"
+
+
+def _lines(paths: list[str]) -> Iterator[str]:
+  for record in grain.sources.ArrayRecordDataSource(paths):
+    for line in records.decode(record)["text"].splitlines():
+      if line.strip():
+        yield line
+
+
+def train(paths: list[str], model: epath.Path, vocab_size: int) -> None:
+  """Trains a byte-fallback BPE model on the text of the given shards, written atomically."""
+  tmp_prefix = model.parent / f".{model.stem}.tmp"
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=_lines(paths), model_prefix=os.fspath(tmp_prefix), model_type="bpe",
+      vocab_size=vocab_size, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+      byte_fallback=True, character_coverage=1.0, num_threads=os.cpu_count() or 1,
+      minloglevel=2)
+  epath.Path(f"{tmp_prefix}.vocab").unlink()
+  epath.Path(f"{tmp_prefix}.model").rename(model)
+
+
+class Tokenizer:
+  """A loaded SentencePiece model; documents become [BOS] ids [EOS] (BOS only if the model has one)."""
+
+  def __init__(self, path: str | os.PathLike):
+    path = epath.Path(path)
+    if not path.exists():
+      raise FileNotFoundError(f"tokenizer model {path} does not exist; set data.tokenizer to a "
+                              f"SentencePiece .model file or prepare the data (see README, 'Data')")
+    self.path = path
+    self.sp = spm.SentencePieceProcessor(model_proto=path.read_bytes())
+    self.vocab_size = self.sp.get_piece_size()
+    self.bos, self.eos, self.pad = self.sp.bos_id(), self.sp.eos_id(), max(self.sp.pad_id(), 0)
+
+  def encode(self, text: str) -> np.ndarray:
+    ids = self.sp.encode(text)
+    prefix = [self.bos] if self.bos >= 0 else []
+    return np.asarray(prefix + ids + [self.eos], dtype=np.int32)
+
+  def decode(self, ids) -> str:
+    return self.sp.decode([int(i) for i in ids])
+
+  def check_vocab(self, model_vocab: int) -> None:
+    if model_vocab != self.vocab_size:
+      raise ValueError(f"model.V={model_vocab} but the tokenizer {self.path} has {self.vocab_size} "
+                       f"pieces; set --config.model.V={self.vocab_size}")
+
+  def __getstate__(self):
+    # grain may copy transforms into worker processes; the processor itself does not pickle.
+    return {"path": self.path}
+
+  def __setstate__(self, state):
+    self.__init__(state["path"])

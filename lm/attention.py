@@ -1,0 +1,128 @@
+"""The attention core shared by every variant (DESIGN.md, "one core, two knobs").
+
+q, k, v: [batch, seq, heads, head_dim] → out like q, in three steps:
+  1. scores  s_bhqk = q·k / sqrt(d) + bias, masked by causality and packed-document segments;
+  2. normalisation σ: softmax over keys, none, or rms_head (RMS over the head axis per (q, k));
+  3. value network: linear, out_bqhd = Σ_k a_bhqk v_bkhd; or hypernetwork,
+     z_bqkd = Σ_h a_bhqk v_bkhd, out_bqhd = Σ_k a_bhqk φ(z_bqkd).
+
+`impl="reference"` is the literal einsum definition and the ground truth faster kernels are tested against.
+"""
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+NORMALIZATIONS = ("softmax", "none", "rms_head")
+VALUE_NETWORKS = ("linear", "hypernetwork")
+NONLINEARITIES: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "relu": jax.nn.relu,
+    "gelu": jax.nn.gelu,
+    "silu": jax.nn.silu,
+    "sigmoid": jax.nn.sigmoid,
+    "tanh": jnp.tanh,
+    "identity": lambda x: x,
+}
+IMPLS = ("reference",)
+RMS_HEAD_EPS = 1e-6
+
+# Paper section 2: the three main variants and the ablations, each a full setting of the knobs.
+PRESETS: dict[str, dict[str, str]] = {
+    "softmax": dict(normalization="softmax", value_network="linear"),
+    "linear": dict(normalization="none", value_network="linear"),
+    "hyla": dict(normalization="rms_head", value_network="hypernetwork", nonlinearity="relu"),
+    "linear_rms_head": dict(normalization="rms_head", value_network="linear"),
+    "hyla_no_rms_head": dict(normalization="none", value_network="hypernetwork", nonlinearity="relu"),
+    "hyla_no_nonlinearity": dict(
+        normalization="rms_head", value_network="hypernetwork", nonlinearity="identity"),
+    "hyla_softmax": dict(normalization="softmax", value_network="hypernetwork", nonlinearity="relu"),
+    **{f"hyla_{phi}": dict(normalization="rms_head", value_network="hypernetwork", nonlinearity=phi)
+       for phi in ("gelu", "silu", "sigmoid", "tanh")},
+}
+
+
+def preset(name: str) -> dict[str, str]:
+  """The knob settings of a named variant; unknown names fail listing the valid ones."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown attention {name!r}; choose one of: {', '.join(PRESETS)}")
+  return {"nonlinearity": "relu", **PRESETS[name]}
+
+
+def check_knobs(normalization: str, value_network: str, nonlinearity: str, impl: str) -> None:
+  for what, value, valid in (("normalization", normalization, NORMALIZATIONS),
+                             ("value_network", value_network, VALUE_NETWORKS),
+                             ("nonlinearity", nonlinearity, tuple(NONLINEARITIES)),
+                             ("impl", impl, IMPLS)):
+    if value not in valid:
+      raise ValueError(f"unknown attention {what} {value!r}; choose one of: {', '.join(valid)}")
+
+
+def attention_mask(q_len: int, k_len: int, *, causal: bool,
+                   segment_ids: jax.Array | None) -> jax.Array | None:
+  """Boolean [batch or 1, 1, q, k] mask of allowed pairs, or None when everything is allowed."""
+  mask = None
+  if causal:
+    mask = (jnp.arange(q_len)[:, None] >= jnp.arange(k_len)[None, :])[None, None]
+  if segment_ids is not None:
+    same_bqk = segment_ids[:, :, None] == segment_ids[:, None, :]
+    mask = same_bqk[:, None] if mask is None else mask & same_bqk[:, None]
+  return mask
+
+
+def normalized_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, *, normalization: str,
+                      causal: bool = True, segment_ids: jax.Array | None = None,
+                      bias: jax.Array | None = None) -> jax.Array:
+  """Steps 1-2: the normalised scores a_bhqk in float32. For a (q, k) pair, a[:, :, q, k] across
+  heads is the pair's latent code; masked entries are exactly 0 in every normalisation."""
+  scale = q_bqhd.shape[-1] ** -0.5
+  s_bhqk = jnp.einsum("bqhd,bkhd->bhqk", q_bqhd, k_bkhd, preferred_element_type=jnp.float32) * scale
+  if bias is not None:
+    s_bhqk = s_bhqk + bias.astype(jnp.float32)
+  mask = attention_mask(q_bqhd.shape[1], k_bkhd.shape[1], causal=causal, segment_ids=segment_ids)
+  if mask is not None:
+    # Zeroing before σ is what keeps masked entries out of the RMS over heads as well.
+    s_bhqk = jnp.where(mask, s_bhqk, 0.0)
+  if normalization == "softmax":
+    if mask is not None:
+      s_bhqk = jnp.where(mask, s_bhqk, jnp.finfo(jnp.float32).min)
+    a_bhqk = jax.nn.softmax(s_bhqk, axis=-1)
+  elif normalization == "none":
+    a_bhqk = s_bhqk
+  elif normalization == "rms_head":
+    a_bhqk = s_bhqk * jax.lax.rsqrt(jnp.mean(jnp.square(s_bhqk), axis=1, keepdims=True) + RMS_HEAD_EPS)
+  else:
+    raise ValueError(f"unknown attention normalization {normalization!r}; "
+                     f"choose one of: {', '.join(NORMALIZATIONS)}")
+  if mask is not None:
+    a_bhqk = jnp.where(mask, a_bhqk, 0.0)
+  return a_bhqk
+
+
+def apply_value_network(a_bhqk: jax.Array, v_bkhd: jax.Array, *, value_network: str,
+                        nonlinearity: str = "relu") -> jax.Array:
+  """Step 3, on given scores: [batch, heads, q, k] × [batch, k, heads, d] → [batch, q, heads, d]."""
+  a_bhqk = a_bhqk.astype(v_bkhd.dtype)
+  if value_network == "linear":
+    return jnp.einsum("bhqk,bkhd->bqhd", a_bhqk, v_bkhd)
+  if value_network == "hypernetwork":
+    # z is the generated first layer applied to x_k: one d-vector per (query, key) pair.
+    z_bqkd = jnp.einsum("bhqk,bkhd->bqkd", a_bhqk, v_bkhd)
+    return jnp.einsum("bhqk,bqkd->bqhd", a_bhqk, NONLINEARITIES[nonlinearity](z_bqkd))
+  raise ValueError(f"unknown attention value_network {value_network!r}; "
+                   f"choose one of: {', '.join(VALUE_NETWORKS)}")
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: str, value_network: str,
+           nonlinearity: str = "relu", causal: bool = True, segment_ids: jax.Array | None = None,
+           bias: jax.Array | None = None, impl: str = "reference") -> jax.Array:
+  """Maps q, k, v [batch, seq, heads, head_dim] to [batch, seq, heads, head_dim].
+
+  segment_ids [batch, seq]: tokens attend only within their own segment (packed documents).
+  bias: additive, broadcastable to [batch, heads, q, k] (e.g. relative position bias).
+  """
+  check_knobs(normalization, value_network, nonlinearity, impl)
+  a_bhqk = normalized_scores(q, k, normalization=normalization, causal=causal,
+                             segment_ids=segment_ids, bias=bias)
+  return apply_value_network(a_bhqk, v, value_network=value_network,
+                             nonlinearity=nonlinearity).astype(q.dtype)

@@ -1,0 +1,106 @@
+"""The transformer around the attention core: causality end to end, parameters, codes, positions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lm import attention, model as model_lib
+
+
+def _model(**kw):
+  cfg = model_lib.ModelConfig(**{"V": 50, "D": 32, "H": 4, "L": 2, "F": 64, **kw})
+  m = model_lib.Transformer(cfg)
+  tokens_bt = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.V)
+  return m, m.init(jax.random.key(1), tokens_bt)["params"], tokens_bt
+
+
+@pytest.mark.parametrize("name", list(attention.PRESETS))
+def test_every_preset_is_causal_end_to_end(name):
+  m, params, tokens_bt = _model(attention=name)
+  logits, _ = m.apply({"params": params}, tokens_bt)
+  t = 5
+  changed = tokens_bt.at[:, t + 1:].set((tokens_bt[:, t + 1:] + 1) % 50)
+  logits2, _ = m.apply({"params": params}, changed)
+  np.testing.assert_allclose(logits[:, :t + 1], logits2[:, :t + 1], rtol=1e-5, atol=1e-5)
+  assert not np.allclose(logits[:, t + 1:], logits2[:, t + 1:])
+
+
+@pytest.mark.parametrize("positions", model_lib.POSITIONS)
+def test_packed_documents_do_not_see_each_other(positions):
+  m, params, tokens_bt = _model(attention="hyla", positions=positions)
+  seg_bt = jnp.array([[1] * 5 + [2] * 7] * 2)
+  pos_bt = jnp.array([list(range(5)) + list(range(7))] * 2)
+  run = lambda t: m.apply({"params": params}, t, positions_bt=pos_bt, segment_ids_bt=seg_bt)[0]
+  changed = tokens_bt.at[:, :5].set((tokens_bt[:, :5] + 3) % 50)
+  np.testing.assert_allclose(run(tokens_bt)[:, 5:], run(changed)[:, 5:], rtol=1e-5, atol=1e-5)
+  # The second document alone, at the start of a row, gives the same outputs: positions restart.
+  alone, _ = m.apply({"params": params}, tokens_bt[:, 5:])
+  np.testing.assert_allclose(run(tokens_bt)[:, 5:], alone, rtol=1e-4, atol=1e-4)
+
+
+def test_variants_have_identical_parameter_counts():
+  counts = {name: model_lib.count_params(_model(attention=name)[1]) for name in attention.PRESETS}
+  assert len(set(counts.values())) == 1, counts
+  D, H, L, F, V = 32, 4, 2, 64, 50
+  per_block = 4 * D * D + 2 * D * F + 2 * 2 * D  # q,k,v,o; MLP; two LayerNorms
+  assert counts["hyla"] == V * D + L * per_block + 2 * D + D * V
+
+
+def test_tied_embeddings_drop_the_output_matrix():
+  untied = model_lib.count_params(_model()[1])
+  tied = model_lib.count_params(_model(tied_embeddings=True)[1])
+  assert untied - tied == 32 * 50
+
+
+def test_latent_codes_are_the_normalised_scores_and_do_not_change_outputs():
+  m, params, tokens_bt = _model(attention="hyla", L=3)
+  plain, none = m.apply({"params": params}, tokens_bt)
+  logits, codes = m.apply({"params": params}, tokens_bt, return_codes=True)
+  assert none is None and len(codes) == 3
+  np.testing.assert_allclose(plain, logits, rtol=1e-6)
+  assert codes[0].shape == (2, 4, 12, 12)
+  rms = np.sqrt(np.mean(np.square(codes[1]), axis=1))
+  causal = np.tril(np.ones((12, 12), bool))
+  np.testing.assert_allclose(rms[:, causal], 1.0, atol=1e-2)
+  assert np.all(np.asarray(codes[1])[:, :, ~causal] == 0)
+
+
+def test_bidirectional_model_sees_the_future():
+  m, params, tokens_bt = _model(causal=False, positions="relative_bias")
+  logits, _ = m.apply({"params": params}, tokens_bt)
+  logits2, _ = m.apply({"params": params}, tokens_bt.at[:, -1].set((tokens_bt[:, -1] + 1) % 50))
+  assert not np.allclose(logits[:, 0], logits2[:, 0])
+
+
+def test_relative_buckets_follow_t5():
+  rel = jnp.arange(-200, 201)
+  causal = model_lib.relative_bucket(rel, causal=True, num_buckets=32, max_distance=128)
+  assert int(causal[200]) == 0 and int(causal[199]) == 1        # same position; one step back
+  assert np.all(np.asarray(causal[201:]) == 0)                   # the future shares bucket 0
+  assert int(causal[0]) == 31 and np.all(np.diff(np.asarray(causal[:201])) <= 0)
+  both = model_lib.relative_bucket(rel, causal=False, num_buckets=32, max_distance=128)
+  assert int(both[201]) == 17 and int(both[199]) == 1 and int(both[400]) == 31
+
+
+def test_rotary_preserves_norms_and_depends_on_relative_offset():
+  x = jax.random.normal(jax.random.key(0), (1, 1, 2, 8))
+  pos = lambda p: jnp.full((1, 1), p)
+  np.testing.assert_allclose(jnp.linalg.norm(model_lib.rotary(x, pos(7), 1e4), axis=-1),
+                             jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+  dot = lambda a, b: float(jnp.sum(model_lib.rotary(x, pos(a), 1e4)[..., 0, :]
+                                   * model_lib.rotary(x, pos(b), 1e4)[..., 1, :]))
+  assert dot(3, 1) == pytest.approx(dot(12, 10), rel=1e-4)
+
+
+def test_remat_and_bfloat16_keep_the_function():
+  m, params, tokens_bt = _model(attention="hyla")
+  ref, _ = m.apply({"params": params}, tokens_bt)
+  remat = model_lib.Transformer(model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla",
+                                                      remat=True))
+  np.testing.assert_allclose(remat.apply({"params": params}, tokens_bt)[0], ref, rtol=1e-5, atol=1e-5)
+  bf16 = model_lib.Transformer(model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla",
+                                                     dtype="bfloat16"))
+  out, _ = bf16.apply({"params": params}, tokens_bt)
+  assert out.dtype == jnp.float32 and np.abs(np.asarray(out) - np.asarray(ref)).max() < 0.1
+  assert jax.tree.leaves(params)[0].dtype == jnp.float32
