@@ -10,7 +10,6 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
 from launch import processes, tpu
 
@@ -33,13 +32,13 @@ def _parser() -> argparse.ArgumentParser:
       epilog=f"The command goes after --, e.g.: lm-launch processes -n 2 -- {_EXAMPLE}")
   modes = parser.add_subparsers(dest="mode", required=True)
   modes.add_parser("local", help="run the command here; its exit status is ours")
-  local = modes.add_parser(
+  procs = modes.add_parser(
       "processes", help="N local processes as one distributed JAX run on 127.0.0.1",
       description="Starts N copies of the command, each with --coordinator_address=127.0.0.1:PORT "
                   "--num_processes=N --process_id=I appended; stops all when one fails.")
-  local.add_argument("-n", "--num_processes", type=int, required=True, help="how many processes")
-  local.add_argument("--port", type=int, help="coordinator port (default: a free one)")
-  local.add_argument("--xla_devices", type=int,
+  procs.add_argument("-n", "--num_processes", type=int, required=True, help="how many processes")
+  procs.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+  procs.add_argument("--xla_devices", type=int,
                      help="simulated CPU devices per process (XLA's host platform device count)")
 
   slice_flags = argparse.ArgumentParser(add_help=False)
@@ -75,18 +74,13 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
   return argv[:cut], argv[cut + 1:]
 
 
-def _exec(cmd: Sequence[str]) -> NoReturn:
-  sys.stdout.flush()
-  os.execvp(cmd[0], cmd)  # Replaces us: signals, terminal and exit status are the command's own.
-
-
 def main(argv: Sequence[str] | None = None, runner: tpu.Runner | None = None) -> int:
   """Entry point of lm-launch; runner stands in for subprocess in tests of the tpu mode."""
   own, cmd = _split(sys.argv[1:] if argv is None else argv)
   parser = _parser()
   args, unknown = parser.parse_known_args(own)
-  name = args.action if args.mode == "tpu" else args.mode
-  label = f"{args.mode} {args.action}" if args.mode == "tpu" else args.mode
+  label = f"tpu {args.action}" if args.mode == "tpu" else args.mode
+  name = label.split()[-1]
   if unknown:
     parser.error(f"unexpected {unknown[0]!r}; the command to run goes after --, "
                  f"e.g. lm-launch {label} -- {_EXAMPLE}")
@@ -98,7 +92,7 @@ def main(argv: Sequence[str] | None = None, runner: tpu.Runner | None = None) ->
     parser.error(f"command not found: {cmd[0]}")
 
   if args.mode == "local":
-    _exec(cmd)
+    os.execvp(cmd[0], cmd)  # Replaces us: signals, terminal and exit status are the command's own.
   if args.mode == "processes":
     if args.num_processes < 1:
       parser.error("-n must be at least 1")

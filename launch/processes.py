@@ -85,23 +85,23 @@ def run(cmd: Sequence[str], num_processes: int, port: int | None = None,
   port = port or free_port()
   env = _child_env(xla_devices)
   lock = threading.Lock()
-  children, pumps = [], []
-  for i in range(num_processes):
-    child = subprocess.Popen(
-        [*cmd, *distributed_flags(port, num_processes, i)], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        # Out of our process group: a terminal's Ctrl-C reaches the children once, through us.
-        start_new_session=True)
-    children.append(child)
-    for src, dst in ((child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)):
-      pump = threading.Thread(target=_pump, args=(src, dst, f"[{i}] ".encode(), lock), daemon=True)
-      pump.start()
-      pumps.append(pump)
-
+  # Installed first, so that a signal that comes while the children start still reaches them all.
   received: list[int] = []
   handlers = {s: signal.signal(s, lambda signum, _: received.append(signum))
               for s in (signal.SIGINT, signal.SIGTERM)}
+  children, pumps = [], []
   try:
+    for i in range(num_processes):
+      child = subprocess.Popen(
+          [*cmd, *distributed_flags(port, num_processes, i)], env=env,
+          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+          # Out of our process group: a terminal's Ctrl-C reaches the children once, through us.
+          start_new_session=True)
+      children.append(child)
+      for src, dst in ((child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)):
+        pump = threading.Thread(target=_pump, args=(src, dst, f"[{i}] ".encode(), lock), daemon=True)
+        pump.start()
+        pumps.append(pump)
     status = _wait(children, received, lock)
   finally:
     for signum, handler in handlers.items():

@@ -117,12 +117,16 @@ def install_commands(s: Slice, archive: Path) -> list[list[str]]:
   ]
 
 
+# True, with $pid set, while our trainer runs; a pid file that outlived a reboot names another process.
+_RUNNING = f'pid=$(cat ~/{_PID} 2>/dev/null) && ps -o args= -p "$pid" | grep -q -- --jax_distributed'
+
+
 def run_script(cmd: Sequence[str]) -> str:
   """Starts cmd with --jax_distributed in the background; the log survives the ssh session."""
   train = shlex.join([*cmd, "--jax_distributed"])
   return "; ".join([
-      f'if kill -0 "$(cat ~/{_PID} 2>/dev/null)" 2>/dev/null; then '
-      f'echo "training already runs here; stop it first: lm-launch tpu stop" >&2; exit 1; fi',
+      f'if {_RUNNING}; then '
+      'echo "training already runs here; stop it first: lm-launch tpu stop" >&2; exit 1; fi',
       f'cd ~/{_SRC} || {{ echo "not installed here; run: lm-launch tpu install" >&2; exit 1; }}',
       # setsid: its own process group, so `stop` reaches the data workers it forks too.
       f'PATH="$HOME/{_VENV}/bin:$PATH" setsid nohup {train} >> ~/{_LOG} 2>&1 < /dev/null '
@@ -132,7 +136,7 @@ def run_script(cmd: Sequence[str]) -> str:
 
 # SIGTERM lets the trainer finish a checkpoint; SIGKILL after a minute frees the chips regardless.
 STOP_SCRIPT = "; ".join([
-    f"pid=$(cat ~/{_PID} 2>/dev/null) || exit 0",
+    f"{_RUNNING} || {{ rm -f ~/{_PID}; exit 0; }}",
     "kill -TERM -- -$pid 2>/dev/null",
     "for _ in $(seq 60); do kill -0 -- -$pid 2>/dev/null || break; sleep 1; done",
     "kill -KILL -- -$pid 2>/dev/null",

@@ -82,13 +82,19 @@ def test_run_logs_stop_dry_run(capsys):
   train = ["lm-train", "--config=configs/c4_50m.py", "--workdir=gs://b/run", "--config.name=it's mine"]
   [line] = dry_run(capsys, "run", "--", *train)
   *ssh, command, zone, project = shlex.split(line)
+  command = command.removeprefix("--command=")
   assert ssh == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "lm-tpu", "--worker=all"]
   assert [zone, project] == WHERE.split()
-  start = command[command.index("PATH="):]
-  assert start.startswith('PATH="$HOME/.venv-hyla-lm/bin:$PATH" setsid nohup ')
-  assert start.endswith(" >> ~/lm-train.log 2>&1 < /dev/null & echo $! > ~/lm-train.pid")
-  # The user's quoting survives both shells: local (gcloud's argv) and the worker's.
-  assert shlex.split(start.split(" nohup ")[1].split(" >> ")[0]) == [*train, "--jax_distributed"]
+  assert command == (
+      'if pid=$(cat ~/lm-train.pid 2>/dev/null) && ps -o args= -p "$pid" | grep -q -- --jax_distributed; '
+      'then echo "training already runs '
+      'here; stop it first: lm-launch tpu stop" >&2; exit 1; fi; cd ~/hyla-lm || { echo "not installed '
+      'here; run: lm-launch tpu install" >&2; exit 1; }; PATH="$HOME/.venv-hyla-lm/bin:$PATH" setsid '
+      "nohup lm-train --config=configs/c4_50m.py --workdir=gs://b/run '--config.name=it'\"'\"'s mine' "
+      "--jax_distributed >> ~/lm-train.log 2>&1 < /dev/null & echo $! > ~/lm-train.pid")
+  # The user's quoting survives both shells: the local one (gcloud's argv) and the worker's.
+  start = command[command.index(" nohup ") + 7:command.index(" >> ")]
+  assert shlex.split(start) == [*train, "--jax_distributed"]
 
   assert dry_run(capsys, "logs", "--worker=2") == [
       f"gcloud compute tpus tpu-vm ssh lm-tpu --worker=2 '--command=tail -n 100 -F ~/lm-train.log' {WHERE}"]
@@ -105,6 +111,14 @@ def test_remote_run_and_stop_scripts(tmp_path):
   (venv_bin / "lm-train").chmod(0o755)
   env = dict(os.environ, HOME=str(tmp_path))
   bash = lambda script: subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
+
+  # A pid file that outlived a reboot names some other process: neither blocks nor gets killed.
+  other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+  (tmp_path / "lm-train.pid").write_text(str(other.pid))
+  assert bash(tpu.STOP_SCRIPT).returncode == 0
+  assert other.poll() is None
+  other.kill()
+  other.wait()
 
   assert bash(tpu.run_script(["lm-train", "--config.name=my run"])).returncode == 0
   pid = int((tmp_path / "lm-train.pid").read_text())
@@ -218,6 +232,8 @@ i = int(sys.argv[-1].split("=")[1])
 with open(os.path.join({tmp!r}, f"pid{{i}}"), "w") as f:
   f.write(str(os.getpid()))
 if i == {fails}:
+  while not os.path.exists(os.path.join({tmp!r}, "pid0")):  # Fail once process 0 is up.
+    time.sleep(0.01)
   sys.exit(3)
 signal.signal(signal.SIGTERM, lambda *_: (open(os.path.join({tmp!r}, f"term{{i}}"), "w"), sys.exit(0)))
 print("ready", flush=True)
