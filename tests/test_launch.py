@@ -33,9 +33,9 @@ def dry_run(capsys, action: str, *argv: str) -> list[str]:
   return capsys.readouterr().out.splitlines()
 
 
-def launch(*argv: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+def launch(*argv: str) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-m", "launch.cli", *argv], cwd=ROOT, text=True,
-                        capture_output=True, timeout=timeout, **kwargs)
+                        capture_output=True, timeout=60)
 
 
 def test_create_dry_run(capsys):
