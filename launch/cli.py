@@ -1,0 +1,126 @@
+"""lm-launch: run a command here, as N local processes, or on every worker of a TPU VM slice.
+
+  lm-launch local -- CMD ...
+  lm-launch processes -n N [--port P] [--xla_devices K] -- CMD ...
+  lm-launch tpu {create,install,run,logs,stop,delete,up} [--name ...] [--dry-run] [-- CMD ...]
+"""
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+
+from launch import processes, tpu
+
+_EXAMPLE = "lm-train --config=configs/tiny.py --workdir=/tmp/run"
+_TPU_ACTIONS = {
+    "create": "create the slice, or reuse a healthy one of that name",
+    "install": "ship HEAD of this checkout to every worker and pip-install it there",
+    "run": "start the command after -- on every worker, with --jax_distributed appended",
+    "logs": "follow the training log of one worker",
+    "stop": "stop the training processes on every worker",
+    "delete": "delete the slice (and its queued resource)",
+    "up": "create + install + run",
+}
+_TAKES_COMMAND = {"local", "processes", "run", "up"}
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="lm-launch", description=__doc__.splitlines()[0],
+      epilog=f"The command goes after --, e.g.: lm-launch processes -n 2 -- {_EXAMPLE}")
+  modes = parser.add_subparsers(dest="mode", required=True)
+  modes.add_parser("local", help="run the command here; its exit status is ours")
+  procs = modes.add_parser(
+      "processes", help="N local processes as one distributed JAX run on 127.0.0.1",
+      description="Starts N copies of the command, each with --coordinator_address=127.0.0.1:PORT "
+                  "--num_processes=N --process_id=I appended; stops all when one fails.")
+  procs.add_argument("-n", "--num_processes", type=int, required=True, help="how many processes")
+  procs.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+  procs.add_argument("--xla_devices", type=int,
+                     help="simulated CPU devices per process (XLA's host platform device count)")
+
+  slice_flags = argparse.ArgumentParser(add_help=False)
+  defaults = tpu.Slice()
+  slice_flags.add_argument("--name", default=defaults.name, help="TPU VM (and queued resource) name")
+  slice_flags.add_argument("--project", help="GCP project (default: gcloud's core/project)")
+  slice_flags.add_argument("--zone", help="zone (default: gcloud's compute/zone)")
+  slice_flags.add_argument("--accelerator-type", default=defaults.accelerator_type,
+                           help="default: %(default)s, 4 workers x 4 chips")
+  slice_flags.add_argument("--runtime-version", default=defaults.runtime_version,
+                           help="TPU software version (default: %(default)s, the documented v5e one)")
+  slice_flags.add_argument("--spot", action="store_true", help="Spot VMs: cheaper, preemptible")
+  slice_flags.add_argument("--queued", action="store_true",
+                           help="request through a queued resource that waits for capacity")
+  slice_flags.add_argument("--dry-run", action="store_true",
+                           help="print every command, one per line, and run nothing")
+  slice_parser = modes.add_parser("tpu", help="a TPU VM slice through gcloud")
+  actions = slice_parser.add_subparsers(dest="action", required=True)
+  for action, help_text in _TPU_ACTIONS.items():
+    example = f"e.g. lm-launch tpu {action} --zone=ZONE -- {_EXAMPLE}"
+    actions.add_parser(action, parents=[slice_flags], help=help_text, description=help_text,
+                       epilog=example if action in _TAKES_COMMAND else None)
+  actions.choices["logs"].add_argument("--worker", default="0", help="worker index (default 0)")
+  return parser
+
+
+def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+  """Our flags, and the command after the first --."""
+  argv = list(argv)
+  if "--" not in argv:
+    return argv, []
+  cut = argv.index("--")
+  return argv[:cut], argv[cut + 1:]
+
+
+def main(argv: Sequence[str] | None = None, runner: tpu.Runner | None = None) -> int:
+  """Entry point of lm-launch; runner stands in for subprocess in tests of the tpu mode."""
+  own, cmd = _split(sys.argv[1:] if argv is None else argv)
+  parser = _parser()
+  args, unknown = parser.parse_known_args(own)
+  label = f"tpu {args.action}" if args.mode == "tpu" else args.mode
+  name = label.split()[-1]
+  if unknown:
+    parser.error(f"unexpected {unknown[0]!r}; the command to run goes after --, "
+                 f"e.g. lm-launch {label} -- {_EXAMPLE}")
+  if name in _TAKES_COMMAND and not cmd:
+    parser.error(f"no command to run; put it after --, e.g. lm-launch {label} -- {_EXAMPLE}")
+  if name not in _TAKES_COMMAND and cmd:
+    parser.error(f"lm-launch {label} takes no command after --")
+  if args.mode != "tpu" and shutil.which(cmd[0]) is None:
+    parser.error(f"command not found: {cmd[0]}")
+
+  if args.mode == "local":
+    os.execvp(cmd[0], cmd)  # Replaces us: signals, terminal and exit status are the command's own.
+  if args.mode == "processes":
+    if args.num_processes < 1:
+      parser.error("-n must be at least 1")
+    if args.xla_devices is not None and args.xla_devices < 1:
+      parser.error("--xla_devices must be at least 1")
+    return processes.run(cmd, args.num_processes, args.port, args.xla_devices)
+
+  if not args.dry_run and runner is None and shutil.which("gcloud") is None:
+    parser.error("gcloud not found on PATH; install the Google Cloud CLI "
+                 "(cloud.google.com/sdk/docs/install), or add --dry-run to print the commands")
+  s = tpu.Slice(name=args.name, accelerator_type=args.accelerator_type,
+                runtime_version=args.runtime_version, project=args.project, zone=args.zone,
+                spot=args.spot, queued=args.queued)
+  sh = tpu.Shell(dry_run=args.dry_run, runner=runner or tpu.run_subprocess)
+  try:
+    match args.action:
+      case "create": tpu.create(s, sh)
+      case "install": tpu.install(s, sh)
+      case "run": tpu.run(s, sh, cmd)
+      case "logs": tpu.logs(s, sh, args.worker)
+      case "stop": tpu.stop(s, sh)
+      case "delete": tpu.delete(s, sh)
+      case "up": tpu.up(s, sh, cmd)
+  except tpu.LaunchError as e:
+    print(f"lm-launch: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
