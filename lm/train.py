@@ -84,7 +84,7 @@ class Experiment:
       (loss, count), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, batch, rng)
       updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
-      stats = {"loss": loss, "grad_norm": optax.global_norm(grads), "target_tokens": count,
+      stats = {"loss": loss, "grad_norm": optax.tree.norm(grads), "target_tokens": count,
                "lr": optimizer_lib.schedule(self.config.train)(state.step)}
       return TrainState(step=state.step + 1, params=params, opt_state=opt_state), stats
     return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
@@ -201,3 +201,7 @@ def main(argv):
 def run():
   flags.mark_flags_as_required(["config", "workdir"])
   app.run(main)
+
+
+if __name__ == "__main__":
+  run()
