@@ -6,6 +6,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
+  c.task = "lm"               # a name in lm.tasks.TASKS
   # Fields of lm.model.ModelConfig; `attention` is a name in lm.attention.PRESETS.
   c.model = ml_collections.ConfigDict(dict(
       V=32_000, D=512, H=8, L=6, F=2048, qkv_dim=0, attention="softmax",

@@ -1,39 +1,10 @@
 """Token-weighted statistics, the progress line, and the metrics log (JSON lines in the workdir)."""
 
-import dataclasses
 import json
-import math
 import time
 from typing import Any
 
 from etils import epath
-
-
-@dataclasses.dataclass
-class WeightedMean:
-  """Mean and standard error of per-token values from per-batch sums (sum, sum of squares, count).
-
-  Sums are merged in float64 on the host; batches arrive as already-reduced device scalars.
-  """
-  total: float = 0.0
-  total_sq: float = 0.0
-  count: float = 0.0
-
-  def add(self, total: float, total_sq: float, count: float) -> None:
-    self.total += float(total)
-    self.total_sq += float(total_sq)
-    self.count += float(count)
-
-  @property
-  def mean(self) -> float:
-    return self.total / self.count if self.count else math.nan
-
-  @property
-  def stderr(self) -> float:
-    if self.count < 2:
-      return math.nan
-    var = max(self.total_sq / self.count - self.mean ** 2, 0.0) * self.count / (self.count - 1)
-    return math.sqrt(var / self.count)
 
 
 def format_duration(seconds: float) -> str:

@@ -1,7 +1,6 @@
 """Training loop: `lm-train --config=configs/X.py --workdir=DIR [--config.a.b=v ...]`."""
 
 import functools
-import json
 import math
 import time
 from typing import Any, Iterator
@@ -16,8 +15,8 @@ from absl import app, flags
 from etils import epath
 from ml_collections import config_flags
 
-from data_pipelines import pipeline, sources
-from lm import metrics, model as model_lib, optimizer as optimizer_lib, sharding
+from data_pipelines import pipeline
+from lm import metrics, model as model_lib, optimizer as optimizer_lib, sharding, tasks
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
@@ -30,13 +29,6 @@ class TrainState:
   opt_state: Any
 
 
-def weighted_xent(logits_btv: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array):
-  """Sums over weighted tokens: (Σ nll, Σ nll², Σ weight)."""
-  logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32))
-  nll_bt = -jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
-  return (nll_bt * weights_bt).sum(), (nll_bt ** 2 * weights_bt).sum(), weights_bt.sum()
-
-
 class Experiment:
   """Everything a run needs that follows from the config and the devices: model, optimiser,
   mesh, shardings, jitted steps."""
@@ -44,6 +36,7 @@ class Experiment:
   def __init__(self, config: ml_collections.ConfigDict, devices=None):
     self.config = config
     self.model_cfg = model_lib.ModelConfig.from_dict(config.model.to_dict())
+    self.task = tasks.build(config, self.model_cfg.V)
     self.model = model_lib.Transformer(self.model_cfg)
     self.optimizer = optimizer_lib.make(config.train)
     self.mesh = sharding.make_mesh(config.mesh, devices)
@@ -70,12 +63,14 @@ class Experiment:
     init = jax.jit(self._init, out_shardings=self.state_shardings)
     return init(jax.random.key(self.config.seed))
 
+  def apply(self, params, batch, **kw):
+    outputs, _ = self.model.apply({"params": params}, batch["inputs"],
+                                  positions_bt=batch.get("positions"),
+                                  segment_ids_bt=batch.get("segment_ids"), **kw)
+    return outputs
+
   def loss(self, params, batch, rng):
-    logits_btv, _ = self.model.apply(
-        {"params": params}, batch["inputs"], positions_bt=batch["positions"],
-        segment_ids_bt=batch["segment_ids"], deterministic=False, rngs={"dropout": rng})
-    total, _, count = weighted_xent(logits_btv, batch["targets"], batch["weights"])
-    return total / jnp.maximum(count, 1.0), count
+    return self.task.loss(self.apply(params, batch, deterministic=False, rngs={"dropout": rng}), batch)
 
   @functools.cached_property
   def train_step(self):
@@ -92,11 +87,7 @@ class Experiment:
 
   @functools.cached_property
   def eval_step(self):
-    def step(params, batch):
-      logits_btv, _ = self.model.apply({"params": params}, batch["inputs"],
-                                       positions_bt=batch["positions"],
-                                       segment_ids_bt=batch["segment_ids"])
-      return weighted_xent(logits_btv, batch["targets"], batch["weights"])
+    step = lambda params, batch: self.task.eval_sums(self.apply(params, batch), batch)
     return jax.jit(step, in_shardings=(self.state_shardings.params, self.batch_sharding))
 
   def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -104,24 +95,19 @@ class Experiment:
     return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
             for k, v in local.items()}
 
-  def evaluate(self, params, batches: Iterator[dict[str, np.ndarray]], num_bytes: int) -> dict:
-    """Token-weighted loss over every batch; sums stay on device until the end so the host
-    dispatches the whole split without waiting."""
-    sums = [self.eval_step(params, self.global_batch(b)) for b in batches]
-    mean = metrics.WeightedMean()
-    for total, total_sq, count in jax.device_get(sums):
-      mean.add(total, total_sq, count)
-    return {"loss": mean.mean, "loss_stderr": mean.stderr, "perplexity": math.exp(mean.mean),
-            "bits_per_byte": mean.total / math.log(2) / num_bytes if num_bytes else math.nan,
-            "tokens": int(mean.count)}
+  def evaluate(self, params, batches: Iterator[dict[str, np.ndarray]]) -> dict[str, float]:
+    """The task's metrics over every batch of a set. Per-batch sums stay on device until the end,
+    so the host dispatches the whole set without waiting; they are added in float64."""
+    per_batch = jax.device_get([self.eval_step(params, self.global_batch(b)) for b in batches])
+    sums = {k: float(np.sum([np.float64(b[k]) for b in per_batch])) for k in per_batch[0]}
+    return self.task.summarize(sums)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains for config.train.steps and returns the final validation metrics."""
+  """Trains for config.train.steps and returns the final evaluation metrics."""
   workdir = epath.Path(workdir)
   try:
     exp = Experiment(config)
-    data = sources.resolve(config.data, exp.model_cfg.V)
   except (ValueError, FileNotFoundError) as e:
     # Mistakes in the config or the data: the message names the fix, a traceback would bury it.
     raise SystemExit(f"lm-train: {e}") from e
@@ -133,31 +119,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         f"{jax.device_count()} devices, mesh {dict(exp.mesh.shape)}", flush=True)
 
   shard = pipeline.Shard(jax.process_index(), jax.process_count())
-  host_rows = config.train.batch_size // jax.process_count()
-  train_iter = iter(pipeline.train_dataset(
-      data.train, data.tokenizer, seq_len=config.data.seq_len, batch_size=host_rows,
-      seed=config.seed, shard=shard, packing_bins=config.data.packing_bins,
-      threads=config.data.threads))
-  eval_rows = config.eval.batch_size // jax.process_count()
-  eval_batches = lambda: iter(pipeline.eval_dataset(
-      data.validation, data.tokenizer, seq_len=config.data.seq_len, batch_size=eval_rows,
-      shard=shard, packing_bins=config.data.packing_bins))
-  eval_bytes = pipeline.split_bytes(data.validation)
+  train_iter = exp.task.train_iterator(shard, config.train.batch_size // jax.process_count())
+  eval_sets = exp.task.eval_sets(shard, config.eval.batch_size // jax.process_count())
 
   writer = metrics.Writer(workdir, enabled=is_main)
-  steps, tokens_per_step = config.train.steps, config.train.batch_size * config.data.seq_len
+  steps = config.train.steps
+  tokens_per_step = config.train.batch_size * exp.task.seq_len
   progress = metrics.Progress(steps, tokens_per_step, start_step=0)
   state = exp.init_state()
 
   def run_eval(step: int) -> dict:
-    start = time.perf_counter()
-    result = exp.evaluate(state.params, eval_batches(), eval_bytes)
-    result["tokens_seen"] = step * tokens_per_step
-    writer.write(step, "eval", result)
-    print(f"eval at step {step}: loss {result['loss']:.4f} ± {result['loss_stderr']:.4f}, "
-          f"perplexity {result['perplexity']:.2f}, {result['bits_per_byte']:.3f} bits/byte "
-          f"({result['tokens']:,} tokens, {time.perf_counter() - start:.1f}s)", flush=True)
-    return result
+    results = {}
+    for name, batches in eval_sets.items():
+      start = time.perf_counter()
+      result = {**exp.evaluate(state.params, batches()), "tokens_seen": step * tokens_per_step}
+      writer.write(step, f"eval/{name}", result)
+      shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items() if k != "tokens_seen")
+      print(f"eval {name} at step {step}: {shown} ({time.perf_counter() - start:.1f}s)", flush=True)
+      results[name] = result
+    return results
 
   pending = None  # the previous step's metrics, read after the next step is dispatched
   for step in range(steps):
@@ -173,11 +153,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       run_eval(step + 1)
   _report(pending, writer, progress, config, tokens_per_step, force=True)
   final = run_eval(steps)
-  if data.unigram_perplexity is not None:
-    final["unigram_perplexity"] = data.unigram_perplexity
-  print(f"final validation perplexity {final['perplexity']:.2f}"
-        + (f" (unigram baseline {data.unigram_perplexity:.2f})" if data.unigram_perplexity else ""),
-        flush=True)
+  main_set = final[next(iter(final))]
+  if "perplexity" in main_set:
+    baseline = main_set.get("unigram_perplexity")
+    print(f"final validation perplexity {main_set['perplexity']:.2f}"
+          + (f" (unigram baseline {baseline:.2f})" if baseline else ""), flush=True)
   return final
 
 
@@ -194,8 +174,7 @@ def _report(pending, writer, progress, config, tokens_per_step, force=False):
 
 def main(argv):
   del argv
-  final = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  print(json.dumps(final))
+  train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 
 def run():

@@ -28,15 +28,15 @@ def test_training_lowers_validation_loss_and_logs(small_corpus, tmp_path, capsys
   out = capsys.readouterr().out
   assert "step 40/40 | loss" in out and "tok/s | ETA" in out
   lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  evals = [l for l in lines if l["kind"] == "eval"]
+  evals = [l for l in lines if l["kind"] == "eval/validation"]
   assert [e["step"] for e in evals] == [20, 40]
   trains = [l for l in lines if l["kind"] == "train"]
   assert [t["step"] for t in trains] == [10, 20, 30, 40]
   assert trains[-1]["loss"] < trains[0]["loss"] - 1.0
   data = sources.resolve(c.data, 320)
   unigram = pipeline.unigram_perplexity(data.train, data.validation, data.tokenizer)
-  assert final["perplexity"] < 0.7 * unigram
-  assert final["tokens"] == evals[-1]["tokens"] > 0
+  assert final["validation"]["perplexity"] < 0.7 * unigram
+  assert final["validation"]["tokens"] == evals[-1]["tokens"] > 0
   assert json.loads((tmp_path / "config.json").read_text())["model"]["V"] == 320
 
 

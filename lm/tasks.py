@@ -1,0 +1,99 @@
+"""What the trainer trains on: batches, a loss, and evaluation statistics.
+
+A task gives the training loop three things and nothing else:
+  - `train_iterator(shard, rows)`: an endless grain iterator of host-local numpy batches whose
+    state (`get_state`/`set_state`) goes into every checkpoint;
+  - `loss(outputs, batch)`: the scalar minimised, and the number of examples or tokens it averages;
+  - evaluation: `eval_sets(shard, rows)` names finite batch streams, `eval_sums(outputs, batch)` reduces
+    one batch to sums (on device), `summarize(sums)` turns the sums of a whole set into metrics.
+Model inputs come from `batch["inputs"]` and, when present, `batch["positions"]` and
+`batch["segment_ids"]`.
+"""
+
+import functools
+import math
+from typing import Callable, Iterator, Protocol
+
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from data_pipelines import pipeline, sources
+
+Batch = dict[str, np.ndarray]
+
+
+class Task(Protocol):
+  name: str
+  seq_len: int  # positions per row: what throughput and token budgets count
+
+  def train_iterator(self, shard: pipeline.Shard, rows: int) -> grain.DatasetIterator: ...
+
+  def eval_sets(self, shard: pipeline.Shard, rows: int) -> dict[str, Callable[[], Iterator[Batch]]]: ...
+
+  def loss(self, outputs: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]: ...
+
+  def eval_sums(self, outputs: jax.Array, batch: dict[str, jax.Array]) -> dict[str, jax.Array]: ...
+
+  def summarize(self, sums: dict[str, float]) -> dict[str, float]: ...
+
+
+def weighted_xent(logits_btv: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array):
+  """Sums over weighted tokens: (Σ nll, Σ nll², Σ weight)."""
+  logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32))
+  nll_bt = -jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
+  return (nll_bt * weights_bt).sum(), (nll_bt ** 2 * weights_bt).sum(), weights_bt.sum()
+
+
+class LanguageModeling:
+  """Next-token prediction on packed documents; evaluation is token-weighted over the whole split."""
+  name = "lm"
+
+  def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
+    self.config = config
+    self.seq_len = config.data.seq_len
+    self.data = sources.resolve(config.data, vocab_size)
+
+  def train_iterator(self, shard, rows):
+    d = self.config.data
+    return iter(pipeline.train_dataset(
+        self.data.train, self.data.tokenizer, seq_len=d.seq_len, batch_size=rows,
+        seed=self.config.seed, shard=shard, packing_bins=d.packing_bins, threads=d.threads))
+
+  @functools.cached_property
+  def validation_bytes(self) -> int:
+    return pipeline.split_bytes(self.data.validation)
+
+  def eval_sets(self, shard, rows):
+    d = self.config.data
+    return {"validation": lambda: iter(pipeline.eval_dataset(
+        self.data.validation, self.data.tokenizer, seq_len=d.seq_len, batch_size=rows, shard=shard,
+        packing_bins=d.packing_bins))}
+
+  def loss(self, outputs, batch):
+    total, _, count = weighted_xent(outputs, batch["targets"], batch["weights"])
+    return total / jnp.maximum(count, 1.0), count
+
+  def eval_sums(self, outputs, batch):
+    total, total_sq, count = weighted_xent(outputs, batch["targets"], batch["weights"])
+    return {"nll": total, "nll_sq": total_sq, "tokens": count}
+
+  def summarize(self, sums):
+    n, mean = sums["tokens"], sums["nll"] / max(sums["tokens"], 1.0)
+    var = max(sums["nll_sq"] / max(n, 1.0) - mean ** 2, 0.0) * n / max(n - 1, 1.0)
+    result = {"loss": mean, "loss_stderr": math.sqrt(var / max(n, 1.0)), "perplexity": math.exp(mean),
+              "bits_per_byte": sums["nll"] / math.log(2) / self.validation_bytes, "tokens": int(n)}
+    if self.data.unigram_perplexity is not None:
+      result["unigram_perplexity"] = self.data.unigram_perplexity
+    return result
+
+
+TASKS = {"lm": LanguageModeling}
+
+
+def build(config: ml_collections.ConfigDict, vocab_size: int) -> Task:
+  if config.task not in TASKS:
+    raise ValueError(f"unknown task {config.task!r}; choose one of: {', '.join(TASKS)}")
+  return TASKS[config.task](config, vocab_size)
