@@ -18,6 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
       dir="data/shakespeare",
       tokenizer="",           # a SentencePiece .model; empty: the one trained in `dir` for model.V
       seq_len=512,
+      shards=0,               # logical data shards; 0: one per process (see lm/train.py HostData)
       packing_bins=64,
       threads=2,
   ))
@@ -26,10 +27,18 @@ def get_config() -> ml_collections.ConfigDict:
       batch_size=256,         # global, in rows of seq_len tokens
       lr=1.6e-3, warmup_steps=1000, end_lr_frac=0.1,
       b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1, grad_clip=1.0,
+      microbatches=1,         # gradient accumulation: the batch is processed in this many parts
+      on_nonfinite="stop",    # or "skip": a non-finite loss/gradient leaves the state unchanged
       log_every_steps=50,
   ))
   # Device mesh: the product must equal the device count; -1 takes what the others leave.
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      every_steps=1000,
+      keep=3,                 # the latest K checkpoints
+      keep_every=0,           # also keep every step divisible by this (0: none)
+      use_async=True,         # write in the background while training continues
+  ))
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=1000,
       batch_size=64,          # global rows per evaluation step

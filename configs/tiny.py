@@ -9,4 +9,5 @@ def get_config():
   c.data.seq_len = 128
   c.train.update(steps=500, batch_size=32, lr=3e-3, warmup_steps=50, log_every_steps=25)
   c.eval.update(every_steps=250, batch_size=64)
+  c.checkpoint.every_steps = 250
   return c

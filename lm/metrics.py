@@ -1,9 +1,11 @@
-"""Token-weighted statistics, the progress line, and the metrics log (JSON lines in the workdir)."""
+"""The progress line and the metrics log: JSON lines and TensorBoard events in the workdir."""
 
 import json
+import numbers
 import time
 from typing import Any
 
+import tensorboardX
 from etils import epath
 
 
@@ -22,11 +24,15 @@ def format_count(x: float) -> str:
 
 
 class Writer:
-  """Appends one JSON object per event to workdir/metrics.jsonl; only process 0 writes."""
+  """Appends one JSON object per event to workdir/metrics.jsonl and the numbers to TensorBoard
+  (workdir/tensorboard, tag `kind/name`); only process 0 writes. The log is append-only: after a
+  resume, steps between the checkpoint and the interruption appear twice, the later one current."""
 
   def __init__(self, workdir: str, enabled: bool = True):
     self.path = epath.Path(workdir) / "metrics.jsonl"
     self.enabled = enabled
+    self.tensorboard = (tensorboardX.SummaryWriter(str(epath.Path(workdir) / "tensorboard"))
+                        if enabled else None)
 
   def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
     if not self.enabled:
@@ -34,29 +40,39 @@ class Writer:
     record = {"step": step, "kind": kind, "time": time.time(), **values}
     with self.path.open("a") as f:
       f.write(json.dumps(record) + "\n")
+    for name, value in values.items():
+      if isinstance(value, numbers.Real):
+        self.tensorboard.add_scalar(f"{kind}/{name}", value, step)
+    self.tensorboard.flush()
 
 
 class Progress:
-  """step, loss, tokens/s and ETA, measured between successive reports."""
+  """step, loss, tokens/s, MFU and ETA, measured between successive reports."""
 
-  def __init__(self, total_steps: int, tokens_per_step: int, start_step: int):
+  def __init__(self, total_steps: int, tokens_per_step: int, start_step: int,
+               flops_per_token: float, peak_flops: float | None):
     self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
+    self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
     self.last_step, self.last_time = start_step, None
 
   def mark(self, step: int) -> None:
     """Starts timing here, e.g. after the first (compiling) step."""
     self.last_step, self.last_time = step, time.perf_counter()
 
-  def report(self, step: int, loss: float, extra: str = "") -> dict[str, float]:
+  def report(self, step: int, loss: float) -> dict[str, float]:
     now = time.perf_counter()
     stats = {}
     rate = ""
     if self.last_time is not None and step > self.last_step:
       step_time = (now - self.last_time) / (step - self.last_step)
       stats = {"tokens_per_sec": self.tokens_per_step / step_time, "step_time": step_time}
+      mfu = "n/a"
+      if self.peak_flops:
+        stats["mfu"] = stats["tokens_per_sec"] * self.flops_per_token / self.peak_flops
+        mfu = f"{100 * stats['mfu']:.1f}%"
       eta = format_duration(step_time * (self.total_steps - step))
-      rate = f" | {format_count(stats['tokens_per_sec'])} tok/s | ETA {eta}"
+      rate = f" | {format_count(stats['tokens_per_sec'])} tok/s | MFU {mfu} | ETA {eta}"
     width = len(str(self.total_steps))
-    print(f"step {step:>{width}}/{self.total_steps} | loss {loss:.4f}{rate}{extra}", flush=True)
+    print(f"step {step:>{width}}/{self.total_steps} | loss {loss:.4f}{rate}", flush=True)
     self.last_step, self.last_time = step, now
     return stats

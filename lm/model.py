@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm import attention
+from lm import attention, sharding
 
 POSITIONS = ("rotary", "relative_bias", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -200,9 +200,11 @@ class Transformer(nn.Module):
       bias_bhqk = jnp.moveaxis(table_nh[bucket_bqk], -1, 1)
     block = nn.remat(Block) if cfg.remat else Block
     codes = []
+    x_btd = sharding.constrain_batch(x_btd)
     for i in range(cfg.L):
       x_btd, codes_i = block(cfg, deterministic, return_codes, name=f"block_{i}")(
           x_btd, positions_bt, segment_ids_bt, bias_bhqk)
+      x_btd = sharding.constrain_batch(x_btd)
       codes.append(codes_i)
     x_btd = nn.LayerNorm(dtype=dtype, name="ln_final")(x_btd)
     if cfg.tied_embeddings and not cfg.input_dim:

@@ -58,3 +58,11 @@ def shardings(abstract_tree, mesh: Mesh):
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH))
+
+
+def constrain_batch(x: jax.Array) -> jax.Array:
+  """Pins an activation's leading (batch) axis to the batch mesh axes when a mesh is set, so
+  parameters are gathered to the data rather than activations scattered to the parameters."""
+  if jax.sharding.get_abstract_mesh().empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, P(BATCH, *([None] * (x.ndim - 1))))

@@ -1,132 +1,121 @@
-"""Training loop: `lm-train --config=configs/X.py --workdir=DIR [--config.a.b=v ...]`."""
+"""Training loop: `lm-train --config=configs/X.py --workdir=DIR [--config.a.b=v ...]`.
 
-import functools
-import math
+Resumes from the latest complete checkpoint in DIR; on SIGTERM finishes the step, saves, exits 0.
+"""
+
+import signal
 import time
-from typing import Any, Iterator
 
-import flax
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import app, flags
 from etils import epath
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from data_pipelines import pipeline
-from lm import metrics, model as model_lib, optimizer as optimizer_lib, sharding, tasks
+from lm import checkpointing, flops, metrics
+from lm.experiment import Experiment
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
+_JAX_DISTRIBUTED = flags.DEFINE_bool(
+    "jax_distributed", False, "Call jax.distributed.initialize() with no arguments (TPU VM slices, "
+    "where the environment describes the job).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 
 
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array
-  params: Any
-  opt_state: Any
+class HostData:
+  """This process's logical data shards and their host-local batch.
+
+  The global batch is split into `data.shards` logical shards (default: one per process), each with
+  its own pipeline over its own slice of the source; a process owns a contiguous range of them.
+  With a fixed shard count the global batch, and so the whole run, is the same on any number of
+  processes, and a checkpoint resumes on any process count that divides it.
+  """
+
+  def __init__(self, exp: Experiment):
+    config, count, index = exp.config, jax.process_count(), jax.process_index()
+    shards = config.data.shards or count
+    if shards % count or config.train.batch_size % shards:
+      raise ValueError(f"data.shards={shards} must be a multiple of the {count} processes and divide "
+                       f"train.batch_size={config.train.batch_size}")
+    per_process = shards // count
+    rows = config.train.batch_size // shards
+    self.shards = checkpointing.DataShards({
+        j: exp.task.train_iterator(pipeline.Shard(j, shards), rows)
+        for j in range(index * per_process, (index + 1) * per_process)})
+
+  def next(self) -> dict[str, np.ndarray]:
+    parts = [next(it) for it in self.shards.iterators.values()]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-class Experiment:
-  """Everything a run needs that follows from the config and the devices: model, optimiser,
-  mesh, shardings, jitted steps."""
+class Preemption:
+  """SIGTERM (what schedulers and TPU maintenance send) asks for a save and a clean exit. With
+  several processes JAX's preemption service agrees on the step at which all of them stop."""
 
-  def __init__(self, config: ml_collections.ConfigDict, devices=None):
-    self.config = config
-    self.model_cfg = model_lib.ModelConfig.from_dict(config.model.to_dict())
-    self.task = tasks.build(config, self.model_cfg.V)
-    self.model = model_lib.Transformer(self.model_cfg)
-    self.optimizer = optimizer_lib.make(config.train)
-    self.mesh = sharding.make_mesh(config.mesh, devices)
-    self.batch_sharding = sharding.batch_sharding(self.mesh)
-    shards = math.prod(self.mesh.shape[a] for a in sharding.BATCH)
-    for name, rows in (("train.batch_size", config.train.batch_size),
-                       ("eval.batch_size", config.eval.batch_size)):
-      if rows % shards:
-        raise ValueError(f"{name}={rows} is not divisible by the {shards} batch shards of the mesh "
-                         f"(data x fsdp); choose a multiple of {shards}")
-    self.abstract_state = jax.eval_shape(self._init, jax.random.key(0))
-    self.state_shardings = sharding.shardings(self.abstract_state, self.mesh)
-    self.num_params = model_lib.count_params(self.abstract_state.params)
+  def __init__(self):
+    self.requested = False
+    if jax.process_count() == 1:
+      signal.signal(signal.SIGTERM, self._request)
 
-  def _init(self, rng: jax.Array) -> TrainState:
-    inputs = jnp.zeros((1, 8) + ((self.model_cfg.input_dim,) if self.model_cfg.input_dim else ()),
-                       jnp.float32 if self.model_cfg.input_dim else jnp.int32)
-    params = self.model.init(rng, inputs)["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=self.optimizer.init(params))
+  def _request(self, signum, frame):
+    del signum, frame
+    self.requested = True
 
-  def init_state(self) -> TrainState:
-    """Initialises directly into the sharded layout: nothing is ever whole on one device."""
-    init = jax.jit(self._init, out_shardings=self.state_shardings)
-    return init(jax.random.key(self.config.seed))
+  def reached(self, step: int) -> bool:
+    if jax.process_count() > 1:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.requested
 
-  def apply(self, params, batch, **kw):
-    outputs, _ = self.model.apply({"params": params}, batch["inputs"],
-                                  positions_bt=batch.get("positions"),
-                                  segment_ids_bt=batch.get("segment_ids"), **kw)
-    return outputs
 
-  def loss(self, params, batch, rng):
-    return self.task.loss(self.apply(params, batch, deterministic=False, rngs={"dropout": rng}), batch)
-
-  @functools.cached_property
-  def train_step(self):
-    def step(state: TrainState, batch):
-      rng = jax.random.fold_in(jax.random.key(self.config.seed + 1), state.step)
-      (loss, count), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, batch, rng)
-      updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-      params = optax.apply_updates(state.params, updates)
-      stats = {"loss": loss, "grad_norm": optax.tree.norm(grads), "target_tokens": count,
-               "lr": optimizer_lib.schedule(self.config.train)(state.step)}
-      return TrainState(step=state.step + 1, params=params, opt_state=opt_state), stats
-    return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
-                   out_shardings=(self.state_shardings, None), donate_argnums=0)
-
-  @functools.cached_property
-  def eval_step(self):
-    step = lambda params, batch: self.task.eval_sums(self.apply(params, batch), batch)
-    return jax.jit(step, in_shardings=(self.state_shardings.params, self.batch_sharding))
-
-  def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """Host-local rows → one global array per field, sharded over the batch axes."""
-    return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
-            for k, v in local.items()}
-
-  def evaluate(self, params, batches: Iterator[dict[str, np.ndarray]]) -> dict[str, float]:
-    """The task's metrics over every batch of a set. Per-batch sums stay on device until the end,
-    so the host dispatches the whole set without waiting; they are added in float64."""
-    per_batch = jax.device_get([self.eval_step(params, self.global_batch(b)) for b in batches])
-    sums = {k: float(np.sum([np.float64(b[k]) for b in per_batch])) for k in per_batch[0]}
-    return self.task.summarize(sums)
+def _setup(config: ml_collections.ConfigDict, workdir: epath.Path):
+  """Everything that can fail because of the config, the data or the workdir, before training."""
+  exp = Experiment(config)
+  data = HostData(exp)
+  ckpt = checkpointing.Checkpointer(workdir, config.checkpoint)
+  latest = ckpt.latest_step()
+  if latest is not None:
+    checkpointing.check_compatible(ckpt.saved_config(latest), config.to_dict())
+  return exp, data, ckpt, latest
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains for config.train.steps and returns the final evaluation metrics."""
+  """Trains (or resumes) to config.train.steps and returns the final evaluation metrics."""
   workdir = epath.Path(workdir)
   try:
-    exp = Experiment(config)
+    exp, data, ckpt, latest = _setup(config, workdir)
   except (ValueError, FileNotFoundError) as e:
-    # Mistakes in the config or the data: the message names the fix, a traceback would bury it.
+    # Mistakes in the config, the data or the workdir: the message names the fix.
     raise SystemExit(f"lm-train: {e}") from e
-  workdir.mkdir(parents=True, exist_ok=True)
   is_main = jax.process_index() == 0
   if is_main:
     (workdir / "config.json").write_text(config.to_json(indent=1))
-  print(f"model: {exp.model_cfg.attention} attention, {exp.num_params:,} parameters, "
-        f"{jax.device_count()} devices, mesh {dict(exp.mesh.shape)}", flush=True)
+  seq_len, steps = exp.task.seq_len, config.train.steps
+  tokens_per_step = config.train.batch_size * seq_len
+  flops_per_token = flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len)
+  print(f"model: {exp.model_cfg.attention} attention, {exp.num_params:,} parameters; "
+        f"{jax.process_count()} processes, {jax.device_count()} devices, mesh {dict(exp.mesh.shape)}",
+        flush=True)
 
-  shard = pipeline.Shard(jax.process_index(), jax.process_count())
-  train_iter = exp.task.train_iterator(shard, config.train.batch_size // jax.process_count())
-  eval_sets = exp.task.eval_sets(shard, config.eval.batch_size // jax.process_count())
-
+  if latest is None:
+    state = exp.init_state()
+  else:
+    start = time.perf_counter()
+    state = ckpt.restore(latest, exp.abstract_sharded_state(), data.shards)
+    print(f"resumed from the checkpoint at step {latest} ({time.perf_counter() - start:.1f}s)", flush=True)
+  first = int(jax.device_get(state.step))
+  eval_sets = exp.task.eval_sets(pipeline.Shard(jax.process_index(), jax.process_count()),
+                                 config.eval.batch_size // jax.process_count())
   writer = metrics.Writer(workdir, enabled=is_main)
-  steps = config.train.steps
-  tokens_per_step = config.train.batch_size * exp.task.seq_len
-  progress = metrics.Progress(steps, tokens_per_step, start_step=0)
-  state = exp.init_state()
+  progress = metrics.Progress(steps, tokens_per_step, first, flops_per_token,
+                              flops.peak_flops(jax.devices()))
+  preemption = Preemption()
+  blocked = 0.0  # seconds the loop spent starting checkpoint saves
 
   def run_eval(step: int) -> dict:
     results = {}
@@ -139,21 +128,57 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       results[name] = result
     return results
 
-  pending = None  # the previous step's metrics, read after the next step is dispatched
-  for step in range(steps):
-    batch = exp.global_batch(next(train_iter))
-    state, stats = exp.train_step(state, batch)
+  def check(step: int, stats: dict) -> dict:
+    stats = {k: float(v) for k, v in jax.device_get(stats).items()}
+    if not stats.pop("finite"):
+      message = (f"non-finite loss {stats['loss']} or gradient norm {stats['grad_norm']} at step "
+                 f"{step}; the update was not applied")
+      if config.train.on_nonfinite == "stop":
+        raise FloatingPointError(f"{message}. Stopping; the latest checkpoint is at step "
+                                 f"{ckpt.latest_step()}. Lower train.lr or set train.on_nonfinite=skip")
+      print(f"warning: {message} (train.on_nonfinite=skip)", flush=True)
+      writer.write(step, "skipped", stats)
+    return stats
+
+  def report(step: int, stats: dict) -> None:
+    stats.update(progress.report(step, stats["loss"]))
+    writer.write(step, "train", {**stats, "tokens_seen": step * tokens_per_step})
+
+  pending = None  # (step, stats) of the previous step, read after the next one is dispatched
+  for step in range(first + 1, steps + 1):
+    state, stats = exp.train_step(state, exp.global_batch(data.next()))
     if pending is not None:
-      _report(pending, writer, progress, config, tokens_per_step)
-    pending = (step + 1, stats)
-    if step == 0:
+      done_step, done_stats = pending[0], check(*pending)
+      if done_step % config.train.log_every_steps == 0:
+        report(done_step, done_stats)
+    pending = (step, stats)
+    if step == first + 1:
       jax.block_until_ready(stats)
-      progress.mark(1)
-    if (step + 1) % config.eval.every_steps == 0 and step + 1 < steps:
-      run_eval(step + 1)
-  _report(pending, writer, progress, config, tokens_per_step, force=True)
+      progress.mark(step)
+    stop = preemption.reached(step)
+    if stop or step == steps or step % config.checkpoint.every_steps == 0:
+      # Saving reads this step's state, which the next step would donate: check it first.
+      stats = check(*pending)
+      if step % config.train.log_every_steps == 0 or step == steps:
+        report(step, stats)
+      pending = None
+      start = time.perf_counter()
+      ckpt.save(step, state, data.shards, config, force=True)
+      blocked += time.perf_counter() - start
+    if stop:
+      ckpt.wait()
+      print(f"preempted: saved the checkpoint at step {step}; exiting", flush=True)
+      ckpt.close()
+      raise SystemExit(0)
+    if step % config.eval.every_steps == 0 and step < steps:
+      run_eval(step)
+  if pending is not None:
+    report(pending[0], check(*pending))
   final = run_eval(steps)
-  main_set = final[next(iter(final))]
+  ckpt.wait()
+  ckpt.close()
+  writer.write(steps, "checkpoint", {"seconds_blocked": blocked})
+  main_set = next(iter(final.values()))
   if "perplexity" in main_set:
     baseline = main_set.get("unigram_perplexity")
     print(f"final validation perplexity {main_set['perplexity']:.2f}"
@@ -161,19 +186,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return final
 
 
-def _report(pending, writer, progress, config, tokens_per_step, force=False):
-  step, stats = pending
-  if step % config.train.log_every_steps and not force:
-    return
-  stats = {k: float(v) for k, v in jax.device_get(stats).items()}
-  if not math.isfinite(stats["loss"]):
-    raise FloatingPointError(f"loss is {stats['loss']} at step {step}; stopping")
-  stats.update(progress.report(step, stats["loss"]))
-  writer.write(step, "train", {**stats, "tokens_seen": step * tokens_per_step})
-
-
 def main(argv):
   del argv
+  if _JAX_DISTRIBUTED.value:
+    jax.distributed.initialize()
+  elif _COORDINATOR.value:
+    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 

@@ -8,25 +8,17 @@ import jax
 import numpy as np
 import pytest
 
-from configs import tiny
 from data_pipelines import pipeline, sources
 from lm import attention, train
-
-
-def small_config(corpus_dir, **model):
-  c = tiny.get_config()
-  c.model.update(V=320, D=32, H=4, L=2, F=64, **model)
-  c.data.update(source="array_record", dir=str(corpus_dir), seq_len=32, packing_bins=8, threads=1)
-  c.train.update(steps=40, batch_size=8, lr=1e-2, warmup_steps=5, log_every_steps=10)
-  c.eval.update(every_steps=20, batch_size=8)
-  return c
+from lm.experiment import Experiment
+from small import small_config
 
 
 def test_training_lowers_validation_loss_and_logs(small_corpus, tmp_path, capsys):
   c = small_config(small_corpus)
   final = train.train_and_evaluate(c, str(tmp_path))
   out = capsys.readouterr().out
-  assert "step 40/40 | loss" in out and "tok/s | ETA" in out
+  assert "step 40/40 | loss" in out and "tok/s | MFU " in out and "% | ETA" in out
   lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   evals = [l for l in lines if l["kind"] == "eval/validation"]
   assert [e["step"] for e in evals] == [20, 40]
@@ -43,7 +35,7 @@ def test_training_lowers_validation_loss_and_logs(small_corpus, tmp_path, capsys
 @pytest.mark.parametrize("name", list(attention.PRESETS))
 def test_every_preset_trains(small_corpus, name):
   c = small_config(small_corpus, attention=name)
-  exp = train.Experiment(c)
+  exp = Experiment(c)
   data = sources.resolve(c.data, 320)
   it = iter(pipeline.train_dataset(data.train, data.tokenizer, seq_len=32, batch_size=8, seed=0))
   state = exp.init_state()

@@ -1,0 +1,134 @@
+"""Checkpoints: train state, data-iterator state and config in one orbax step directory.
+
+Layout of `workdir/checkpoints/<step>/`:
+  state/   the TrainState (step, params, optimiser state, RNG key), written asynchronously, sharded;
+  data/    one JSON file per logical data shard with its grain iterator state, written by the
+           process that owns the shard (so resuming on another process count finds every shard);
+  config/  the run's config, to refuse a resume whose model would not match the saved arrays.
+orbax writes each step into a temporary directory and renames it when complete, so a step that a
+crash interrupted is never picked up, and it never overwrites a saved step.
+"""
+
+import dataclasses
+import json
+from typing import Any
+
+import ml_collections
+import orbax.checkpoint as ocp
+from etils import epath
+
+# Fields that may differ between the saved run and the resuming one: they change how the math is
+# computed or how long training runs, not what the saved arrays and data positions mean.
+MUTABLE_FIELDS = ("model.attention_impl", "model.remat", "model.dtype", "train.steps",
+                  "train.log_every_steps", "train.on_nonfinite", "eval", "checkpoint", "mesh",
+                  "data.dir", "data.tokenizer", "data.threads")
+
+
+class DataShards:
+  """The data iterators of this process, keyed by logical shard index."""
+
+  def __init__(self, iterators: dict[int, Any]):
+    self.iterators = iterators
+
+
+class DataShardsHandler(ocp.CheckpointHandler):
+  """Every process writes and reads only the files of its own shards."""
+
+  def save(self, directory: epath.Path, args: "DataShardsSave"):
+    for index, it in args.item.iterators.items():
+      (directory / f"shard_{index:05d}.json").write_text(json.dumps(it.get_state()))
+
+  def restore(self, directory: epath.Path, args: "DataShardsRestore"):
+    for index, it in args.item.iterators.items():
+      path = directory / f"shard_{index:05d}.json"
+      if not path.exists():
+        raise ValueError(f"checkpoint {directory.parent} has no state for data shard {index}; it was "
+                         f"saved with a different data.shards")
+      it.set_state(json.loads(path.read_text()))
+    return args.item
+
+  def metadata(self, directory: epath.Path):
+    return None
+
+
+@ocp.args.register_with_handler(DataShardsHandler, for_save=True)
+@dataclasses.dataclass
+class DataShardsSave(ocp.args.CheckpointArgs):
+  item: DataShards
+
+
+@ocp.args.register_with_handler(DataShardsHandler, for_restore=True)
+@dataclasses.dataclass
+class DataShardsRestore(ocp.args.CheckpointArgs):
+  item: DataShards
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in config.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
+def check_compatible(saved: dict, current: dict) -> None:
+  """Raises naming every field whose change would make the saved state mean something else."""
+  mutable = lambda key: any(key == m or key.startswith(m + ".") for m in MUTABLE_FIELDS)
+  old, new = _flat(saved), _flat(current)
+  diffs = [f"{k}: checkpoint has {old.get(k)!r}, config has {new.get(k)!r}"
+           for k in sorted(set(old) | set(new)) if not mutable(k) and old.get(k) != new.get(k)]
+  if diffs:
+    raise ValueError("the config does not match the checkpoint it would resume from:\n  "
+                     + "\n  ".join(diffs)
+                     + "\nuse a new --workdir, or set these fields back to the checkpoint's values")
+
+
+class Checkpointer:
+  """An orbax CheckpointManager over workdir/checkpoints; cfg is the `checkpoint` config section."""
+
+  def __init__(self, workdir: str | epath.Path, cfg: ml_collections.ConfigDict):
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=cfg.every_steps, max_to_keep=cfg.keep,
+        keep_period=cfg.keep_every or None, enable_async_checkpointing=cfg.use_async,
+        create=True, cleanup_tmp_directories=True)
+    self.manager = ocp.CheckpointManager(epath.Path(workdir) / "checkpoints", options=options,
+                                         item_names=("state", "data", "config"))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def saved_config(self, step: int) -> dict:
+    return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
+  def restore(self, step: int, abstract_state, data: DataShards):
+    """abstract_state: ShapeDtypeStructs carrying the target shardings (restored straight into them)."""
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), data=DataShardsRestore(data)))
+    return restored["state"]
+
+  def save(self, step: int, state, data: DataShards, config: ml_collections.ConfigDict,
+           force: bool = False) -> bool:
+    """Starts a save when the interval says so (or force); returns whether it did."""
+    return self.manager.save(step, force=force, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=DataShardsSave(data),
+        config=ocp.args.JsonSave(config.to_dict())))
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def load(workdir: str, step: int | None = None) -> tuple[ml_collections.ConfigDict, Any]:
+  """The saved config and the model parameters (as host-local arrays) of the latest or given step."""
+  manager = ocp.CheckpointManager(epath.Path(workdir) / "checkpoints",
+                                  item_names=("state", "data", "config"))
+  step = manager.latest_step() if step is None else step
+  if step is None or step not in manager.all_steps():
+    raise FileNotFoundError(f"no checkpoint{'' if step is None else f' at step {step}'} in "
+                            f"{workdir}/checkpoints; steps there: {list(manager.all_steps())}")
+  config = ml_collections.ConfigDict(
+      manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+  state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+  manager.close()
+  return config, state["params"]

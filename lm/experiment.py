@@ -1,0 +1,167 @@
+"""What follows from a config and the devices: model, task, optimiser, mesh, shardings, jitted steps."""
+
+import functools
+import math
+from typing import Any, Iterator
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+
+from lm import model as model_lib, optimizer as optimizer_lib, sharding, tasks
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array  # raw uint32 key data: checkpoints store plain arrays
+
+
+class Experiment:
+
+  def __init__(self, config: ml_collections.ConfigDict, devices=None):
+    self.config = config
+    self.model_cfg = model_lib.ModelConfig.from_dict(config.model.to_dict())
+    self.task = tasks.build(config, self.model_cfg.V)
+    self.model = model_lib.Transformer(self.model_cfg)
+    self.optimizer = optimizer_lib.make(config.train)
+    self.mesh = sharding.make_mesh(config.mesh, devices)
+    self.batch_sharding = sharding.batch_sharding(self.mesh)
+    shards = math.prod(self.mesh.shape[a] for a in sharding.BATCH)
+    k = config.train.microbatches
+    for name, rows in (("train.batch_size", config.train.batch_size // k),
+                       ("eval.batch_size", config.eval.batch_size)):
+      if rows % shards or (name.startswith("train") and config.train.batch_size % k):
+        raise ValueError(f"{name}={rows} (per microbatch) is not divisible by the {shards} batch "
+                         f"shards of the mesh (data x fsdp); choose a multiple of {shards}"
+                         + (f" x train.microbatches={k}" if name.startswith("train") else ""))
+    if config.train.on_nonfinite not in ("stop", "skip"):
+      raise ValueError(f"unknown train.on_nonfinite {config.train.on_nonfinite!r}; choose stop or skip")
+    self.abstract_state = jax.eval_shape(self._init, jax.random.key(0))
+    self.state_shardings = sharding.shardings(self.abstract_state, self.mesh)
+    self.num_params = model_lib.count_params(self.abstract_state.params)
+
+  def _init(self, rng: jax.Array) -> TrainState:
+    cfg = self.model_cfg
+    inputs = (jnp.zeros((1, 8, cfg.input_dim), jnp.float32) if cfg.input_dim
+              else jnp.zeros((1, 8), jnp.int32))
+    init_rng, train_rng = jax.random.split(rng)
+    params = self.model.init(init_rng, inputs)["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=self.optimizer.init(params), rng=jax.random.key_data(train_rng))
+
+  def init_state(self) -> TrainState:
+    """Initialises directly into the sharded layout: nothing is ever whole on one device."""
+    with jax.set_mesh(self.mesh):
+      return jax.jit(self._init, out_shardings=self.state_shardings)(jax.random.key(self.config.seed))
+
+  def abstract_sharded_state(self) -> TrainState:
+    """ShapeDtypeStructs with shardings: the restore target and the AOT-compile argument."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        self.abstract_state, self.state_shardings)
+
+  def apply(self, params, batch, **kw):
+    outputs, _ = self.model.apply({"params": params}, batch["inputs"],
+                                  positions_bt=batch.get("positions"),
+                                  segment_ids_bt=batch.get("segment_ids"), **kw)
+    return outputs
+
+  def _weighted_loss(self, params, batch, rng):
+    """The task's mean loss times its weight: summed over microbatches, then divided by the summed
+    weight, it gives the mean over the whole batch."""
+    mean, weight = self.task.loss(
+        self.apply(params, batch, deterministic=False, rngs={"dropout": rng}), batch)
+    return mean * weight, (mean, weight)
+
+  def _grads(self, params, batch, rng):
+    grad_fn = jax.value_and_grad(self._weighted_loss, has_aux=True)
+    k = self.config.train.microbatches
+    if k == 1:
+      (total, (_, weight)), grads = grad_fn(params, batch, rng)
+    else:
+      # Microbatch i takes rows i, i+k, i+2k, ...: every device holds its share of each microbatch.
+      micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape((-1, k) + x.shape[1:]), 0, 1), batch)
+
+      def body(carry, xs):
+        i, mb = xs
+        mb = jax.tree.map(sharding.constrain_batch, mb)
+        (total, (_, weight)), grads = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        return jax.tree.map(jnp.add, carry, (total, weight, grads)), None
+
+      zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+      (total, weight, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
+    scale = 1.0 / jnp.maximum(weight, 1.0)
+    return total * scale, weight, jax.tree.map(lambda g: g * scale, grads)
+
+  @functools.cached_property
+  def _train_step(self):
+    def step(state: TrainState, batch):
+      rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+      loss, weight, grads = self._grads(state.params, batch, rng)
+      grad_norm = optax.tree.norm(grads)
+      updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+      new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                       opt_state=opt_state, rng=state.rng)
+      # A non-finite step leaves the state as it was, so a NaN can never reach a checkpoint.
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      kept = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+      stats = {"loss": loss, "grad_norm": grad_norm, "weight": weight, "finite": finite,
+               "lr": optimizer_lib.schedule(self.config.train)(state.step)}
+      return kept.replace(step=state.step + 1), stats
+    return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
+                   out_shardings=(self.state_shardings, None), donate_argnums=0)
+
+  def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+    with jax.set_mesh(self.mesh):
+      return self._train_step(state, batch)
+
+  def lower_train_step(self, batch_spec: dict[str, jax.ShapeDtypeStruct]):
+    """The train step lowered for abstract inputs (ahead-of-time compilation for other devices)."""
+    with jax.set_mesh(self.mesh):
+      return self._train_step.lower(self.abstract_sharded_state(), batch_spec)
+
+  @functools.cached_property
+  def _eval_step(self):
+    step = lambda params, batch: self.task.eval_sums(self.apply(params, batch), batch)
+    return jax.jit(step, in_shardings=(self.state_shardings.params, self.batch_sharding))
+
+  def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Host-local rows → one global array per field, sharded over the batch axes."""
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+            for k, v in local.items()}
+
+  def evaluate(self, params, batches: Iterator[dict[str, np.ndarray]]) -> dict[str, float]:
+    """The task's metrics over every batch of a set. Per-batch sums stay on device until the end,
+    so the host dispatches the whole set without waiting; they are added in float64."""
+    with jax.set_mesh(self.mesh):
+      per_batch = jax.device_get([self._eval_step(params, self.global_batch(b))
+                                  for b in _until_all_done(batches)])
+    sums = {k: float(np.sum([np.float64(b[k]) for b in per_batch])) for k in per_batch[0]}
+    return self.task.summarize(sums)
+
+
+def _until_all_done(batches: Iterator[dict[str, np.ndarray]]) -> Iterator[dict[str, np.ndarray]]:
+  """Yields until every process has run out: processes whose shard ends first feed all-zero batches
+  (zero weight), because every process must take part in every step of a global array."""
+  if jax.process_count() == 1:
+    yield from batches
+    return
+  template = None
+  while True:
+    batch = next(batches, None)
+    done = multihost_utils.process_allgather(np.int32(batch is None))
+    if np.all(done):
+      return
+    if batch is None:
+      if template is None:
+        raise ValueError("this process's share of the evaluation set is empty: the set has fewer "
+                         "documents than there are processes; evaluate on fewer processes")
+      batch = jax.tree.map(np.zeros_like, template)
+    template = batch
+    yield batch

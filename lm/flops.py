@@ -1,0 +1,51 @@
+"""Model FLOPs per token and device peaks, for MFU."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from lm.model import ModelConfig
+
+# Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
+PEAK_FLOPS = {
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12,
+    "TPU v5p": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+    "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12,
+}
+
+
+def flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int) -> float:
+  """Training FLOPs (forward + backward) per token: 6 per parameter plus the attention core. Per query-key pair a layer does a q·k product and one value product per
+  output for the linear value network (2 · qkv_dim multiply-adds), and a third (the generated first
+  layer z) for the hypernetwork: HYLA's core costs 1.5× softmax's. Counted over all T keys, as
+  PaLM's MFU convention does, whatever the mask skips."""
+  # The input embedding is a lookup, not a matmul (unless tied: then it is also the output layer).
+  embedding = cfg.V * cfg.D if not (cfg.input_dim or cfg.tied_embeddings) else 0
+  products = 3 if cfg.knobs["value_network"] == "hypernetwork" else 2
+  attention = 6 * cfg.L * seq_len * (cfg.qkv_dim or cfg.D) * products
+  return 6 * (num_params - embedding) + attention
+
+
+def measured_cpu_peak(seconds: float = 0.5) -> float:
+  """FLOP/s of a large float32 matmul on this host right now: the only honest CPU 'peak'."""
+  n = 1024
+  a = jnp.ones((n, n), jnp.float32)
+  matmul = jax.jit(lambda x: x @ x)
+  matmul(a).block_until_ready()
+  runs, start = 0, time.perf_counter()
+  while time.perf_counter() - start < seconds:
+    matmul(a).block_until_ready()
+    runs += 1
+  return 2 * n ** 3 * runs / (time.perf_counter() - start)
+
+
+def peak_flops(devices) -> float | None:
+  """Summed peak of the devices, from the table or (CPU) measured; None when unknown."""
+  kind = devices[0].device_kind
+  if devices[0].platform == "cpu":
+    # Simulated CPU devices share the host's cores: the host's peak is the peak of them all.
+    return measured_cpu_peak()
+  peak = next((v for k, v in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0]))
+               if kind.startswith(k)), None)
+  return None if peak is None else peak * len(devices)
