@@ -69,13 +69,18 @@ def _packed(ds: grain.IterDataset, tokenizer: Tokenizer, seq_len: int, *, seed: 
       shuffle_bins=shuffle)
 
 
+def epochs(paths: Sequence[str], *, seed: int, shard: Shard = Shard()) -> grain.MapDataset:
+  """This shard's records, endlessly, each epoch a fresh permutation of the shard: every record
+  exactly once per epoch, and no record in two shards."""
+  ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(list(paths)))
+  return ds[shard.index::shard.count].shuffle(seed=seed).repeat(None)
+
+
 def train_dataset(paths: Sequence[str], tokenizer: Tokenizer, *, seq_len: int, batch_size: int,
                   seed: int, shard: Shard = Shard(), packing_bins: int = 64,
                   threads: int = 2) -> grain.IterDataset:
   """Endless shuffled batches [batch_size, seq_len] of this shard; reshuffled every epoch."""
-  ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(list(paths)))
-  ds = ds[shard.index::shard.count].shuffle(seed=seed).repeat(None)
-  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=4 * batch_size))
+  ds = epochs(paths, seed=seed, shard=shard).to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=4 * batch_size))
   ds = _packed(ds, tokenizer, seq_len, seed=seed, shuffle=True, packing_bins=packing_bins)
   return ds.batch(batch_size, drop_remainder=True).map(to_model_batch)
 

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import BinaryIO
 
 _POLL_SECONDS = 0.1
-_GRACE_SECONDS = 10.0  # Time a stopped process gets to exit (and checkpoint) before SIGKILL.
+# Time a stopped process gets to exit before SIGKILL: a preempted trainer saves a checkpoint first.
+_GRACE_SECONDS = 120.0
 
 
 def free_port() -> int:
@@ -78,7 +79,8 @@ def _status(returncode: int) -> int:
 
 def run(cmd: Sequence[str], num_processes: int, port: int | None = None,
         xla_devices: int | None = None) -> int:
-  """Runs num_processes copies of cmd until all succeed, one fails, or we get SIGINT/SIGTERM.
+  """Runs num_processes copies of cmd until all succeed, one fails, or we get SIGINT/SIGTERM
+  (forwarded to every process).
 
   Returns the launcher's exit status: 0 when every process exited 0, else non-zero.
   """
@@ -115,7 +117,8 @@ def _wait(children: Sequence[subprocess.Popen], received: list[int], lock: threa
   while True:
     if received:
       _stop(children, received[0])
-      return 128 + received[0]
+      # A trainer stopped by SIGTERM saves and exits 0: then so do we, as one trainer would.
+      return max(_status(child.returncode) for child in children)
     codes = [child.poll() for child in children]
     if all(code == 0 for code in codes):
       return 0

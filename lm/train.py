@@ -9,7 +9,7 @@ import time
 import jax
 import ml_collections
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 from etils import epath
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
@@ -115,7 +115,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   progress = metrics.Progress(steps, tokens_per_step, first, flops_per_token,
                               flops.peak_flops(jax.devices()))
   preemption = Preemption()
-  blocked = 0.0  # seconds the loop spent starting checkpoint saves
 
   def run_eval(step: int) -> dict:
     results = {}
@@ -164,7 +163,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       pending = None
       start = time.perf_counter()
       ckpt.save(step, state, data.shards, config, force=True)
-      blocked += time.perf_counter() - start
+      writer.write(step, "checkpoint", {"seconds_blocked": time.perf_counter() - start})
     if stop:
       ckpt.wait()
       print(f"preempted: saved the checkpoint at step {step}; exiting", flush=True)
@@ -177,7 +176,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   final = run_eval(steps)
   ckpt.wait()
   ckpt.close()
-  writer.write(steps, "checkpoint", {"seconds_blocked": blocked})
   main_set = next(iter(final.values()))
   if "perplexity" in main_set:
     baseline = main_set.get("unigram_perplexity")
@@ -188,6 +186,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 def main(argv):
   del argv
+  if not flags.FLAGS["verbosity"].present:
+    # Libraries (orbax, jax) log every save and compile at INFO; the progress line says enough.
+    logging.set_verbosity(logging.WARNING)
   if _JAX_DISTRIBUTED.value:
     jax.distributed.initialize()
   elif _COORDINATOR.value:

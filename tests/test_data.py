@@ -64,6 +64,19 @@ def test_shards_partition_the_split(small_corpus):
   assert parts[0] == _transitions(paths, tok, pipeline.Shard(0, 3))
 
 
+def test_every_record_once_per_epoch_across_shards(small_corpus):
+  paths = records.shard_paths(small_corpus, "train")
+  everything = [bytes(r) for r in grain.sources.ArrayRecordDataSource(paths)]
+  seen = []
+  for j in range(3):
+    ds = pipeline.epochs(paths, seed=5, shard=pipeline.Shard(j, 3))
+    n = len(everything[j::3])
+    first, second = [ds[i] for i in range(n)], [ds[i] for i in range(n, 2 * n)]
+    assert sorted(first) == sorted(second) and first != second  # same records, fresh order
+    seen += first
+  assert sorted(seen) == sorted(everything)  # each record in exactly one shard, once
+
+
 def test_training_order_is_seeded(small_corpus):
   tok, paths = _tok(small_corpus), records.shard_paths(small_corpus, "train")
   first = lambda seed: next(iter(pipeline.train_dataset(paths, tok, seq_len=16, batch_size=4,

@@ -1,0 +1,116 @@
+"""Sharded training on simulated devices and real multi-process runs on 127.0.0.1."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(__file__)
+
+
+def _env(devices: int) -> dict:
+  return {**os.environ, "PYTHONPATH": HERE,
+          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def test_meshes_and_microbatches_give_the_same_losses(small_corpus):
+  result = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "mesh_losses.py"),
+                           str(small_corpus)], capture_output=True, text=True, env=_env(16),
+                          timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  losses = json.loads(result.stdout.strip().splitlines()[-1])
+  reference = losses.pop("1 device")
+  assert reference[-1] < reference[0]
+  for name, got in losses.items():
+    np.testing.assert_allclose(got, reference, rtol=2e-5, err_msg=name)
+
+
+MULTI_CONFIG = """
+from small import small_config
+
+def get_config():
+  c = small_config({corpus!r})
+  c.data.shards = 2  # fixed: the global batch is the same for one process or two
+  c.train.update(batch_size=16, steps=20, log_every_steps=1)
+  c.checkpoint.update(every_steps=5, keep=2)
+  c.eval.update(every_steps=1000, batch_size=16)
+  return c
+"""
+
+
+def _losses(workdir) -> dict[int, float]:
+  out = {}
+  for line in open(os.path.join(workdir, "metrics.jsonl")):
+    record = json.loads(line)
+    if record["kind"] == "train":
+      out[record["step"]] = record["loss"]
+  return out
+
+
+def _final_eval(workdir) -> dict:
+  lines = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  return [l for l in lines if l["kind"] == "eval/validation"][-1]
+
+
+def test_two_processes_match_one_and_resume_after_sigkill(small_corpus, tmp_path):
+  config = tmp_path / "multi.py"
+  config.write_text(MULTI_CONFIG.format(corpus=str(small_corpus)))
+  train = lambda workdir: [sys.executable, "-m", "lm.train", f"--config={config}",
+                           f"--workdir={workdir}"]
+  one = tmp_path / "one_process"
+  result = subprocess.run(train(one), capture_output=True, text=True, env=_env(8), timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+  two = tmp_path / "two_processes"
+  launch = [sys.executable, "-m", "launch.cli", "processes", "-n", "2", "--xla_devices", "4", "--",
+            *train(two)]
+  env = {**os.environ, "PYTHONPATH": HERE}
+  proc = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env)
+  seen = []
+  for line in proc.stdout:
+    seen.append(line)
+    if "step 12/20" in line:
+      break
+  else:
+    raise AssertionError("".join(seen)[-3000:])
+  # SIGKILL to the launcher and both trainers: nothing gets to clean up.
+  subprocess.run(["pkill", "-KILL", "-f", str(two)])
+  proc.wait()
+  assert max(_losses(two)) >= 12
+  result = subprocess.run(launch, capture_output=True, text=True, env=env, timeout=600)
+  assert result.returncode == 0, result.stdout[-3000:]
+  assert "[0] resumed from the checkpoint at step 10" in result.stdout
+  assert "[1] resumed from the checkpoint at step 10" in result.stdout
+  want, got = _losses(one), _losses(two)
+  assert sorted(got) == list(range(1, 21))
+  np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)],
+                             rtol=1e-5)
+  # Evaluation splits the validation set by process; token-weighted sums make it the same number.
+  assert _final_eval(two)["tokens"] == _final_eval(one)["tokens"]
+  np.testing.assert_allclose(_final_eval(two)["loss"], _final_eval(one)["loss"], rtol=1e-5)
+
+
+def test_sigterm_stops_both_processes_at_the_same_step(small_corpus, tmp_path):
+  config = tmp_path / "multi.py"
+  config.write_text(MULTI_CONFIG.format(corpus=str(small_corpus)).replace("every_steps=5", "every_steps=100"))
+  workdir = tmp_path / "run"
+  launch = [sys.executable, "-m", "launch.cli", "processes", "-n", "2", "--xla_devices", "4", "--",
+            sys.executable, "-m", "lm.train", f"--config={config}", f"--workdir={workdir}"]
+  proc = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "PYTHONPATH": HERE})
+  seen = []
+  for line in proc.stdout:
+    seen.append(line)
+    if "step  8/20" in line:  # the step is right-aligned to the width of the total
+      proc.send_signal(signal.SIGTERM)
+      break
+  output = "".join(seen) + proc.communicate(timeout=300)[0]
+  assert proc.returncode == 0, output[-3000:]
+  saved = {line.split("] ")[0]: int(line.split("at step ")[1].split(";")[0])
+           for line in output.splitlines() if "preempted: saved the checkpoint" in line}
+  assert set(saved) == {"[0", "[1"} and len(set(saved.values())) == 1, output[-3000:]
+  assert sorted(os.listdir(workdir / "checkpoints")) == [str(next(iter(saved.values())))]
