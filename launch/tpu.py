@@ -118,7 +118,9 @@ def install_commands(s: Slice, archive: Path) -> list[list[str]]:
 
 
 # True, with $pid set, while our trainer runs; a pid file that outlived a reboot names another process.
-_RUNNING = f'pid=$(cat ~/{_PID} 2>/dev/null) && ps -o args= -p "$pid" | grep -q -- --jax_distributed'
+# /proc rather than ps: minimal images ship without procps.
+_RUNNING = (f'pid=$(cat ~/{_PID} 2>/dev/null) && '
+            'tr "\\0" " " < /proc/"$pid"/cmdline 2>/dev/null | grep -q -- --jax_distributed')
 
 
 def run_script(cmd: Sequence[str]) -> str:

@@ -86,7 +86,8 @@ def test_run_logs_stop_dry_run(capsys):
   assert ssh == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "lm-tpu", "--worker=all"]
   assert [zone, project] == WHERE.split()
   assert command == (
-      'if pid=$(cat ~/lm-train.pid 2>/dev/null) && ps -o args= -p "$pid" | grep -q -- --jax_distributed; '
+      'if pid=$(cat ~/lm-train.pid 2>/dev/null) && '
+      'tr "\\0" " " < /proc/"$pid"/cmdline 2>/dev/null | grep -q -- --jax_distributed; '
       'then echo "training already runs '
       'here; stop it first: lm-launch tpu stop" >&2; exit 1; fi; cd ~/hyla-lm || { echo "not installed '
       'here; run: lm-launch tpu install" >&2; exit 1; }; PATH="$HOME/.venv-hyla-lm/bin:$PATH" setsid '
