@@ -1,0 +1,198 @@
+"""Blocked attention: lm.attention's core tiled over query and key blocks, memory linear in sequence length.
+
+One [block, block] tile of scores (and, for the hypernetwork value network, one [batch, block, block, d]
+tile of z) exists at a time, never [b, h, t, t] or [b, t, t, d]. The backward pass recomputes each tile
+(custom VJP), so training memory is linear in t as well. Tiles wholly above the causal diagonal are skipped.
+
+rms_head and none normalise within one (q, k) pair, so a query's output is a plain sum over key tiles.
+Softmax needs the row's log-sum-exp before any tile's weights are known, and the hypernetwork applies φ to
+a sum over heads of weights with different denominators, so flash attention's online rescaling does not
+carry over: a first pass computes the log-sum-exp, a second applies exact weights.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from lm import attention
+
+BLOCK = 128
+
+
+def _padded(x: jax.Array, axes: tuple[int, ...], length: int, value=0) -> jax.Array:
+  pad = [(0, 0)] * x.ndim
+  for axis in axes:
+    pad[axis] = (0, length - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def attend_blocked(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: str, value_network: str,
+                   nonlinearity: str = "relu", causal: bool = True, segment_ids: jax.Array | None = None,
+                   bias: jax.Array | None = None, block: int = BLOCK) -> jax.Array:
+  """Same contract as lm.attention.attend. Lengths that are not a multiple of `block` are padded with
+  keys in a segment of their own, which no real query sees."""
+  B, T = q.shape[:2]
+  if k.shape[1] != T:
+    raise ValueError(f"blocked attention needs as many keys as queries, got {T} and {k.shape[1]}; "
+                     f"use impl 'reference' for cross-attention")
+  block = min(block, T)
+  Tp = -(-T // block) * block
+  if Tp != T or segment_ids is not None:
+    real_bt = jnp.broadcast_to(jnp.arange(Tp) < T, (B, Tp))
+    seg_bt = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    segment_ids = jnp.where(real_bt, _padded(seg_bt, (1,), Tp), -1)
+    q, k, v = (_padded(x, (1,), Tp) for x in (q, k, v))
+  if bias is not None:
+    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    bias = _padded(jnp.broadcast_to(bias, bias.shape[:2] + (T, T)), (2, 3), Tp)
+  knobs = (normalization, value_network, nonlinearity, causal, block)
+  return _blocked(knobs, q, k, v, segment_ids, bias)[:, :T].astype(q.dtype)
+
+
+def _tile_mask(knobs, i, j, seg_bt):
+  """The [b or 1, 1, block, block] mask of query block i against key block j."""
+  causal, block = knobs[3], knobs[4]
+  q_pos, k_pos = i * block + jnp.arange(block), j * block + jnp.arange(block)
+  seg = lambda pos: None if seg_bt is None else jnp.take(seg_bt, pos, axis=1)
+  return attention.pair_mask(q_pos, k_pos, causal=causal, q_segment_ids_bq=seg(q_pos),
+                             k_segment_ids_bk=seg(k_pos))
+
+
+def _tile(knobs, i, j, q_bqhd, k_bkhd, v_bkhd, seg_bt, bias, lse_bhq):
+  """Output of query block i from key block j in float32, and (softmax) the block's softmax mass
+  Σ_k a_bhqk, whose gradient a_bhqk is the path through the row's log-sum-exp."""
+  normalization, value_network, nonlinearity = knobs[:3]
+  mask = _tile_mask(knobs, i, j, seg_bt)
+  s_bhqk = attention.masked_scores(q_bqhd, k_bkhd, bias, mask)
+  a_bhqk = attention.normalize(s_bhqk, mask, normalization=normalization, lse_bhq=lse_bhq)
+  out_bqhd = attention.apply_value_network(a_bhqk, v_bkhd, value_network=value_network,
+                                           nonlinearity=nonlinearity).astype(jnp.float32)
+  return out_bqhd, (a_bhqk.sum(-1) if lse_bhq is not None else None)
+
+
+def _blocks(x: jax.Array, axis: int, index, block: int) -> jax.Array:
+  return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis)
+
+
+def _bias_tile(bias, i, j, block):
+  return None if bias is None else _blocks(_blocks(bias, 2, i, block), 3, j, block)
+
+
+def _over_keys(knobs, i, n, body, init):
+  """Loops body over the key blocks query block i sees: up to the diagonal when causal, else all n."""
+  return jax.lax.fori_loop(0, i + 1 if knobs[3] else n, body, init)
+
+
+def _lse(knobs, q, k, seg_bt, bias):
+  """Pass one for softmax: each row's log-sum-exp over its allowed keys, [b, h, t], streaming."""
+  block = knobs[4]
+  n = q.shape[1] // block
+  neg = jnp.finfo(jnp.float32).min
+
+  def query_block(i):
+    q_bqhd = _blocks(q, 1, i, block)
+
+    def body(j, carry):
+      m_bhq, l_bhq = carry
+      mask = _tile_mask(knobs, i, j, seg_bt)
+      s_bhqk = attention.masked_scores(q_bqhd, _blocks(k, 1, j, block), _bias_tile(bias, i, j, block), mask)
+      if mask is not None:
+        s_bhqk = jnp.where(mask, s_bhqk, neg)
+      m_new = jnp.maximum(m_bhq, s_bhqk.max(-1))
+      e_bhqk = jnp.exp(s_bhqk - m_new[..., None])
+      if mask is not None:
+        e_bhqk = jnp.where(mask, e_bhqk, 0.0)
+      return m_new, l_bhq * jnp.exp(m_bhq - m_new) + e_bhqk.sum(-1)
+
+    shape = (q.shape[0], q.shape[2], block)
+    m_bhq, l_bhq = _over_keys(knobs, i, n, body, (jnp.full(shape, neg), jnp.zeros(shape)))
+    return m_bhq + jnp.log(l_bhq)
+
+  lse_nbhq = jax.lax.map(query_block, jnp.arange(n))
+  return jnp.moveaxis(lse_nbhq, 0, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blocked(knobs, q, k, v, seg_bt, bias):
+  return _forward(knobs, q, k, v, seg_bt, bias)[0]
+
+
+def _forward(knobs, q, k, v, seg_bt, bias):
+  block = knobs[4]
+  n = q.shape[1] // block
+  lse = _lse(knobs, q, k, seg_bt, bias) if knobs[0] == "softmax" else None
+
+  def query_block(i):
+    q_bqhd = _blocks(q, 1, i, block)
+    lse_bhq = None if lse is None else _blocks(lse, 2, i, block)
+
+    def body(j, out_bqhd):
+      return out_bqhd + _tile(knobs, i, j, q_bqhd, _blocks(k, 1, j, block), _blocks(v, 1, j, block),
+                              seg_bt, _bias_tile(bias, i, j, block), lse_bhq)[0]
+
+    return _over_keys(knobs, i, n, body, jnp.zeros(q_bqhd.shape, jnp.float32))
+
+  out_nbqhd = jax.lax.map(query_block, jnp.arange(n))
+  out = jnp.moveaxis(out_nbqhd, 0, 1).reshape(q.shape).astype(q.dtype)
+  return out, (q, k, v, seg_bt, bias, lse)
+
+
+def _backward(knobs, residuals, dout):
+  q, k, v, seg_bt, bias, lse = residuals
+  block = knobs[4]
+  n = q.shape[1] // block
+  dout = dout.astype(jnp.float32)
+
+  def tile_fn(i, j):
+    return lambda q_t, k_t, v_t, bias_t, lse_t: _tile(knobs, i, j, q_t, k_t, v_t, seg_bt, bias_t, lse_t)
+
+  def tile_args(i, j):
+    return (_blocks(q, 1, i, block), _blocks(k, 1, j, block), _blocks(v, 1, j, block),
+            _bias_tile(bias, i, j, block), None if lse is None else _blocks(lse, 2, i, block))
+
+  dlse = None
+  if lse is not None:
+    # Pass one: each row's cotangent of its log-sum-exp, summed over all its key tiles.
+    def dlse_block(i):
+      dout_bqhd = _blocks(dout, 1, i, block)
+
+      def body(j, dlse_bhq):
+        args = tile_args(i, j)
+        _, pullback = jax.vjp(lambda lse_t: tile_fn(i, j)(*args[:4], lse_t)[0], args[4])
+        return dlse_bhq + pullback(dout_bqhd)[0]
+
+      return _over_keys(knobs, i, n, body, jnp.zeros((q.shape[0], q.shape[2], block)))
+
+    dlse = jnp.moveaxis(jax.lax.map(dlse_block, jnp.arange(n)), 0, 2).reshape(lse.shape)
+
+  def query_block(carry, i):
+    dout_bqhd = _blocks(dout, 1, i, block)
+    dlse_bhq = None if dlse is None else _blocks(dlse, 2, i, block)
+
+    def body(j, inner):
+      dq_bqhd, dk, dv, dbias = inner
+      args = tile_args(i, j)
+      _, pullback = jax.vjp(tile_fn(i, j), *args)
+      dq_t, dk_t, dv_t, dbias_t, _ = pullback((dout_bqhd, None if dlse is None else dlse_bhq))
+      add = lambda acc, t, axis: jax.lax.dynamic_update_slice_in_dim(
+          acc, _blocks(acc, axis, j, block) + t, j * block, axis)
+      if dbias is not None:
+        row = _blocks(dbias, 2, i, block)
+        row = jax.lax.dynamic_update_slice_in_dim(row, dbias_t, j * block, 3)
+        dbias = jax.lax.dynamic_update_slice_in_dim(dbias, row, i * block, 2)
+      return dq_bqhd + dq_t, add(dk, dk_t, 1), add(dv, dv_t, 1), dbias
+
+    dk, dv, dbias = carry
+    dq_bqhd, dk, dv, dbias = _over_keys(
+        knobs, i, n, body, (jnp.zeros(dout_bqhd.shape, jnp.float32), dk, dv, dbias))
+    return (dk, dv, dbias), dq_bqhd
+
+  zeros = lambda x: None if x is None else jnp.zeros(x.shape, jnp.float32)
+  (dk, dv, dbias), dq_nbqhd = jax.lax.scan(query_block, (zeros(k), zeros(v), zeros(bias)), jnp.arange(n))
+  dq = jnp.moveaxis(dq_nbqhd, 0, 1).reshape(q.shape)
+  cast = lambda d, x: None if x is None else d.astype(x.dtype)
+  return cast(dq, q), cast(dk, k), cast(dv, v), None, cast(dbias, bias)
+
+
+_blocked.defvjp(_forward, _backward)

@@ -1,0 +1,53 @@
+"""Softmax attention (normalization softmax, value network linear) through fused kernels.
+
+dot_product: jax.nn.dot_product_attention with implementation=None, so XLA picks cuDNN's flash attention
+on GPU when the shapes allow and its own fusion elsewhere. pallas: the Pallas TPU flash attention kernel,
+which tiles sequences in blocks of 128. auto: the Pallas kernel when lowering for TPU and the length
+tiles, dot_product otherwise; the choice is made per platform at lowering time (lax.platform_dependent),
+so a train step compiled ahead of time for a TPU topology on a CPU host gets the TPU kernel.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+
+PALLAS_BLOCK = 128
+
+
+def attend_softmax(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+                   segment_ids: jax.Array | None = None, bias: jax.Array | None = None,
+                   impl: str = "auto") -> jax.Array:
+  """Same contract as lm.attention.attend with normalization softmax and value network linear."""
+  bias = None if bias is None else bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+  args = (q, k, v, causal, segment_ids, bias)
+  if impl == "dot_product":
+    return _dot_product(*args)
+  fits = q.shape[1] % PALLAS_BLOCK == 0 and k.shape[1] % PALLAS_BLOCK == 0
+  if impl == "pallas":
+    if not fits:
+      raise ValueError(f"attention impl 'pallas' tiles sequences in blocks of {PALLAS_BLOCK}, got lengths "
+                       f"{q.shape[1]} and {k.shape[1]}; use a multiple of {PALLAS_BLOCK} or impl 'auto'")
+    return _pallas(*args)
+  if not fits:
+    return _dot_product(*args)
+  return jax.lax.platform_dependent(q, k, v, tpu=lambda *qkv: _pallas(*qkv, *args[3:]),
+                                    default=lambda *qkv: _dot_product(*qkv, *args[3:]))
+
+
+def _dot_product(q, k, v, causal, segment_ids, bias):
+  mask = None
+  if segment_ids is not None:
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+  return jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype),
+                                      mask=mask, is_causal=causal)
+
+
+def _pallas(q, k, v, causal, segment_ids, bias):
+  B, T, H, _ = q.shape
+  q_bhtd, k_bhtd, v_bhtd = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+  if bias is not None:
+    bias = jnp.broadcast_to(bias, (B, H, T, k.shape[1])).astype(jnp.float32)
+  segments = None if segment_ids is None else pallas_flash.SegmentIds(q=segment_ids, kv=segment_ids)
+  out_bhtd = pallas_flash.flash_attention(q_bhtd, k_bhtd, v_bhtd, bias, segments, causal=causal,
+                                          sm_scale=q.shape[-1] ** -0.5)
+  return jnp.swapaxes(out_bhtd, 1, 2)
