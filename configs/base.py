@@ -10,7 +10,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Fields of lm.model.ModelConfig; `attention` is a name in lm.attention.PRESETS.
   c.model = ml_collections.ConfigDict(dict(
       V=32_000, D=512, H=8, L=6, F=2048, qkv_dim=0, attention="softmax",
-      attention_impl="reference", attention_dropout=0.0, causal=True, positions="rotary",
+      attention_impl="auto", attention_dropout=0.0, causal=True, positions="rotary",
       max_len=2048, rope_base=10_000.0, relative_buckets=32, relative_max_distance=128,
       tied_embeddings=False, input_dim=0, dtype="float32", remat=False))
   c.data = ml_collections.ConfigDict(dict(

@@ -10,6 +10,9 @@ so a train step compiled ahead of time for a TPU topology on a CPU host gets the
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+from jax.sharding import PartitionSpec as P
+
+from lm import sharding
 
 PALLAS_BLOCK = 128
 
@@ -43,6 +46,24 @@ def _dot_product(q, k, v, causal, segment_ids, bias):
 
 
 def _pallas(q, k, v, causal, segment_ids, bias):
+  """The kernel on each device's shard: Mosaic kernels are not partitioned automatically, so under a
+  mesh it runs in a shard_map over the batch (data, fsdp) and head (tensor) axes."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return _pallas_local(q, k, v, causal, segment_ids, bias)
+  batch = tuple(a for a in sharding.BATCH if a in mesh.axis_names)
+  heads = "tensor" if "tensor" in mesh.axis_names and q.shape[2] % mesh.shape["tensor"] == 0 else None
+  qkv_spec = P(batch, None, heads, None)
+  bias_spec = None if bias is None else P(batch if bias.shape[0] > 1 else None,
+                                          heads if bias.shape[1] > 1 else None, None, None)
+  # check_vma off: the kernel declares its outputs without per-axis variance annotations.
+  return jax.shard_map(
+      lambda q, k, v, seg, bias: _pallas_local(q, k, v, causal, seg, bias),
+      in_specs=(qkv_spec, qkv_spec, qkv_spec, None if segment_ids is None else P(batch, None), bias_spec),
+      out_specs=qkv_spec, check_vma=False)(q, k, v, segment_ids, bias)
+
+
+def _pallas_local(q, k, v, causal, segment_ids, bias):
   B, T, H, _ = q.shape
   q_bhtd, k_bhtd, v_bhtd = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
   if bias is not None:

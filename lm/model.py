@@ -27,7 +27,7 @@ class ModelConfig:
   F: int = 512
   qkv_dim: int = 0            # total q/k/v width over heads; 0 means D (K = qkv_dim / H)
   attention: str = "softmax"  # a name in lm.attention.PRESETS
-  attention_impl: str = "reference"
+  attention_impl: str = "auto"      # a name in lm.attention.IMPLS; auto picks the fastest per platform
   attention_dropout: float = 0.0
   causal: bool = True
   positions: str = "rotary"
