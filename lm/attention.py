@@ -156,10 +156,10 @@ def apply_value_network(a_bhqk: jax.Array, v_bkhd: jax.Array, *, value_network: 
 
 def choose_impl(normalization: str, value_network: str, *, causal: bool,
                 bias: jax.Array | None) -> str:
-  """The fastest implementation that computes these knobs with memory linear in sequence length
-  wherever one exists: softmax attention stays 'auto' and goes to the platform's fused kernel (Pallas on
-  TPU, cuDNN or XLA elsewhere, chosen at lowering by lm/attention_softmax.py), causal linear attention to the chunked form,
-  everything else (HYLA and the ablations) to the blocked kernel."""
+  """The fastest implementation of these knobs, memory linear in sequence length wherever one exists.
+  Softmax attention stays 'auto': lm/attention_softmax.py picks its kernel per platform at lowering.
+  Causal linear attention without a bias goes to the chunked form, all else (HYLA, the ablations) to the
+  blocked kernel."""
   if (normalization, value_network) == ("softmax", "linear"):
     return "auto"  # attend_softmax picks its kernel per platform when lowering
   if (normalization, value_network) == ("none", "linear") and causal and bias is None:

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from lm import attention
 
-BLOCK = 128
+# Measured on CPU (benchmarks/attention.py): 64 beats 128 and 256 for HYLA forward+backward.
+BLOCK = 64
 
 
 def _padded(x: jax.Array, axes: tuple[int, ...], length: int, value=0) -> jax.Array:

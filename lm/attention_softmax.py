@@ -2,9 +2,11 @@
 
 dot_product: jax.nn.dot_product_attention with implementation=None, so XLA picks cuDNN's flash attention
 on GPU when the shapes allow and its own fusion elsewhere. pallas: the Pallas TPU flash attention kernel,
-which tiles sequences in blocks of 128. auto: the Pallas kernel when lowering for TPU and the length
-tiles, dot_product otherwise; the choice is made per platform at lowering time (lax.platform_dependent),
-so a train step compiled ahead of time for a TPU topology on a CPU host gets the TPU kernel.
+which tiles sequences in blocks of 128. auto: on TPU the Pallas kernel when the length tiles; on CPU the
+blocked kernel from CPU_BLOCKED_FROM tokens on (measured faster there than XLA's, and memory-linear, by
+benchmarks/attention.py); dot_product otherwise. The platform is the one being lowered for
+(lax.platform_dependent), so a train step compiled ahead of time for a TPU topology on a CPU host gets the
+TPU kernel.
 """
 
 import jax
@@ -12,9 +14,10 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
 from jax.sharding import PartitionSpec as P
 
-from lm import sharding
+from lm import attention_blocked, sharding
 
 PALLAS_BLOCK = 128
+CPU_BLOCKED_FROM = 1024
 
 
 def attend_softmax(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
@@ -31,10 +34,17 @@ def attend_softmax(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = T
       raise ValueError(f"attention impl 'pallas' tiles sequences in blocks of {PALLAS_BLOCK}, got lengths "
                        f"{q.shape[1]} and {k.shape[1]}; use a multiple of {PALLAS_BLOCK} or impl 'auto'")
     return _pallas(*args)
-  if not fits:
+  per_platform = {}
+  if fits:
+    per_platform["tpu"] = lambda *qkv: _pallas(*qkv, *args[3:])
+  if q.shape[1] >= CPU_BLOCKED_FROM:
+    per_platform["cpu"] = lambda *qkv: attention_blocked.attend_blocked(
+        *qkv, normalization="softmax", value_network="linear", causal=causal, segment_ids=segment_ids,
+        bias=bias)
+  if not per_platform:
     return _dot_product(*args)
-  return jax.lax.platform_dependent(q, k, v, tpu=lambda *qkv: _pallas(*qkv, *args[3:]),
-                                    default=lambda *qkv: _dot_product(*qkv, *args[3:]))
+  return jax.lax.platform_dependent(q, k, v, default=lambda *qkv: _dot_product(*qkv, *args[3:]),
+                                    **per_platform)
 
 
 def _dot_product(q, k, v, causal, segment_ids, bias):

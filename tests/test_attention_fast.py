@@ -153,7 +153,8 @@ def test_auto_model_equals_reference_model(preset):
 @pytest.mark.parametrize("knobs,impl,message", [
     (dict(normalization="rms_head", value_network="hypernetwork"), "chunked",
      "'chunked' computes linear attention only"),
-    (dict(normalization="none", value_network="linear"), "pallas", "'pallas' computes softmax attention only"),
+    (dict(normalization="none", value_network="linear"), "pallas",
+     "'pallas' computes softmax attention only"),
     (dict(normalization="softmax", value_network="linear"), "flash", "unknown attention impl 'flash'"),
 ])
 def test_impl_that_cannot_compute_the_knobs_fails_clearly(knobs, impl, message):
