@@ -1,12 +1,12 @@
-"""Forward+backward time and compiled scratch memory of each attention preset and implementation, as
+"""Forward+backward time and peak memory of each attention preset and implementation, as
 ratios to softmax attention through jax.nn.dot_product_attention measured in the same run.
 
   python benchmarks/attention.py --seq_lens=256,1024,4096 --out=docs/attention_benchmark.md
 
 Time: the fastest of --repeats calls of a jitted gradient of sum(out) w.r.t. q, k, v (the minimum, as
-other processes on a shared host only ever add time). Memory: the
-compiler's temporary-buffer bytes for that gradient (compiled.memory_analysis()), i.e. peak scratch
-beyond the inputs and outputs, which are the same for every implementation.
+other processes on a shared host only ever add time). Memory: the compiled program's peak footprint from
+compiled.memory_analysis(): inputs (q, k, v) + outputs (their gradients) + scratch. Inputs and outputs are
+the same for every implementation; scratch is where [b, h, t, t] or [b, t, t, d] tensors would live.
 """
 
 import sys
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from lm import attention
+from lm import attention, attention_softmax
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("seq_lens", ["256", "512", "1024", "2048", "4096", "8192"], "Sequence lengths.")
@@ -30,11 +30,12 @@ flags.DEFINE_string("out", "", "Write the markdown table here too.")
 
 # (preset, impl); the first is the baseline every ratio divides by.
 RUNS = (("softmax", "dot_product"), ("softmax", "auto"), ("softmax", "blocked"), ("linear", "auto"),
-        ("linear", "blocked"), ("hyla", "auto"), ("softmax", "reference"), ("linear", "reference"), ("hyla", "reference"))
+        ("linear", "blocked"), ("hyla", "auto"), ("softmax", "reference"), ("linear", "reference"),
+        ("hyla", "reference"))
 
 
 def measure(preset: str, impl: str, seq_len: int) -> tuple[float, int]:
-  """Seconds per forward+backward call and the compiled temporary bytes."""
+  """Seconds per forward+backward call and the compiled program's peak bytes."""
   shape = (FLAGS.batch, seq_len, FLAGS.heads, FLAGS.head_dim)
   q, k, v = (jax.random.normal(key, shape) for key in jax.random.split(jax.random.key(0), 3))
   loss = lambda q, k, v: attention.attend(q, k, v, **attention.preset(preset), impl=impl).sum()
@@ -45,21 +46,31 @@ def measure(preset: str, impl: str, seq_len: int) -> tuple[float, int]:
     start = time.perf_counter()
     jax.block_until_ready(compiled(q, k, v))
     times.append(time.perf_counter() - start)
-  return min(times), compiled.memory_analysis().temp_size_in_bytes
+  m = compiled.memory_analysis()
+  return min(times), (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                      - m.alias_size_in_bytes)
+
+
+def _ratio(r: float) -> str:
+  return f"{r:.2f}x" if r >= 0.1 else f"{r:.3f}x"
 
 
 def auto_impl(preset: str) -> str:
   knobs = attention.preset(preset)
   impl = attention.choose_impl(knobs["normalization"], knobs["value_network"], causal=True, bias=None)
-  return {"auto": "fused softmax kernel"}.get(impl, impl)
+  if impl != "auto":
+    return impl
+  if jax.default_backend() == "cpu":
+    return f"dot_product below {attention_softmax.CPU_BLOCKED_FROM} tokens, blocked from there"
+  return "pallas" if jax.default_backend() == "tpu" else "dot_product"
 
 
 def main(argv):
   del argv
   runs = list(RUNS)
   header = ("| seq | softmax dot_product: ms, MiB | "
-            + " | ".join(f"{p} {i}: time, mem" for p, i in runs[1:]) + " |")
-  lines = [header, "|" + "---|" * (len(runs) + 1)]
+            + " | ".join(f"{p} {i}: time, mem" for p, i in runs[1:]) + " | hyla auto / softmax auto |")
+  lines = [header, "|" + "---|" * (len(runs) + 2)]
   print(header, flush=True)
   for seq_len in map(int, FLAGS.seq_lens):
     results = {}
@@ -72,9 +83,11 @@ def main(argv):
     for run in runs[1:]:
       if run in results:
         s, b = results[run]
-        cells.append(f"{s / base_s:.2f}x, {b / max(base_bytes, 1):.2f}x")
+        cells.append(f"{_ratio(s / base_s)}, {_ratio(b / max(base_bytes, 1))}")
       else:
         cells.append("—")
+    (hyla_s, hyla_b), (soft_s, soft_b) = results["hyla", "auto"], results["softmax", "auto"]
+    cells.append(f"{_ratio(hyla_s / soft_s)}, {_ratio(hyla_b / soft_b)}")
     lines.append(f"| {seq_len} | " + " | ".join(cells) + " |")
     print(lines[-1], flush=True)
   if FLAGS.out:
@@ -83,9 +96,10 @@ def main(argv):
       f.write(f"# Attention benchmark\n\nForward+backward of the attention core alone (gradient of sum(out) "
               f"w.r.t. q, k, v), batch {FLAGS.batch}, {FLAGS.heads} heads of width {FLAGS.head_dim}, "
               f"float32, causal, on {device.platform} ({device.device_kind}, {jax.device_count()} "
-              f"device(s)). Each cell: time and compiled scratch memory as ratios to softmax attention "
-              f"through jax.nn.dot_product_attention (impl dot_product) at the same length, measured in "
-              f"the same run; `—`: not run. `auto` is what the model uses by default on this platform: "
+              f"device(s)). Each cell: time and peak memory (inputs + outputs + scratch) as ratios to "
+              f"softmax attention through jax.nn.dot_product_attention (impl dot_product) at the same "
+              f"length, measured in the same run (the last column: HYLA over softmax, both impl auto); "
+              f"`—`: not run. `auto` is what the model uses by default on this platform: "
               f"{', '.join(f'{p} → {auto_impl(p)}' for p in ('softmax', 'linear', 'hyla'))}.\n\n"
               f"Command: `python benchmarks/attention.py {' '.join(sys.argv[1:])}`\n\n")
       f.write("\n".join(lines) + "\n")

@@ -21,18 +21,19 @@ from lm import attention
 BLOCK = 64
 
 
-def _padded(x: jax.Array, axes: tuple[int, ...], length: int, value=0) -> jax.Array:
+def _padded(x: jax.Array, axes: tuple[int, ...], length: int) -> jax.Array:
   pad = [(0, 0)] * x.ndim
   for axis in axes:
     pad[axis] = (0, length - x.shape[axis])
-  return jnp.pad(x, pad, constant_values=value)
+  return jnp.pad(x, pad)
 
 
 def attend_blocked(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: str, value_network: str,
                    nonlinearity: str = "relu", causal: bool = True, segment_ids: jax.Array | None = None,
                    bias: jax.Array | None = None, block: int = BLOCK) -> jax.Array:
   """Same contract as lm.attention.attend. Lengths that are not a multiple of `block` are padded with
-  keys in a segment of their own, which no real query sees."""
+  tokens in a segment of their own (the smallest int32, which no real segment id is), so no real query
+  sees them."""
   B, T = q.shape[:2]
   if k.shape[1] != T:
     raise ValueError(f"blocked attention needs as many keys as queries, got {T} and {k.shape[1]}; "
@@ -42,7 +43,7 @@ def attend_blocked(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: s
   if Tp != T or segment_ids is not None:
     real_bt = jnp.broadcast_to(jnp.arange(Tp) < T, (B, Tp))
     seg_bt = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    segment_ids = jnp.where(real_bt, _padded(seg_bt, (1,), Tp), -1)
+    segment_ids = jnp.where(real_bt, _padded(seg_bt, (1,), Tp), jnp.iinfo(jnp.int32).min)
     q, k, v = (_padded(x, (1,), Tp) for x in (q, k, v))
   if bias is not None:
     bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
