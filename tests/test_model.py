@@ -58,7 +58,9 @@ def test_latent_codes_are_the_normalised_scores_and_do_not_change_outputs():
   plain, none = m.apply({"params": params}, tokens_bt)
   logits, codes = m.apply({"params": params}, tokens_bt, return_codes=True)
   assert none is None and len(codes) == 3
-  np.testing.assert_allclose(plain, logits, rtol=1e-6)
+  # The plain pass runs the fast kernel (impl auto), the codes pass the materialised scores: equal up to
+  # float32 rounding.
+  np.testing.assert_allclose(plain, logits, rtol=1e-5, atol=1e-5)
   assert codes[0].shape == (2, 4, 12, 12)
   rms = np.sqrt(np.mean(np.square(codes[1]), axis=1))
   causal = np.tril(np.ones((12, 12), bool))
