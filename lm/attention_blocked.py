@@ -180,9 +180,8 @@ def _backward(knobs, residuals, dout):
       add = lambda acc, t, axis: jax.lax.dynamic_update_slice_in_dim(
           acc, _blocks(acc, axis, j, block) + t, j * block, axis)
       if dbias is not None:
-        row = _blocks(dbias, 2, i, block)
-        row = jax.lax.dynamic_update_slice_in_dim(row, dbias_t, j * block, 3)
-        dbias = jax.lax.dynamic_update_slice_in_dim(dbias, row, i * block, 2)
+        # Each (i, j) tile of the bias is visited once: written, not accumulated.
+        dbias = jax.lax.dynamic_update_slice(dbias, dbias_t, (0, 0, i * block, j * block))
       return dq_bqhd + dq_t, add(dk, dk_t, 1), add(dv, dv_t, 1), dbias
 
     dk, dv, dbias = carry
