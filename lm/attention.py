@@ -148,10 +148,8 @@ def apply_value_network(a_bhqk: jax.Array, v_bkhd: jax.Array, *, value_network: 
     return jnp.einsum("bhqk,bkhd->bqhd", a_bhqk, v_bkhd)
   if value_network == "hypernetwork":
     # z is the generated first layer applied to x_k: one d-vector per (query, key) pair.
-    # Laid out key-major ([b, k, q, d], the batch dimensions of its contraction first): measured 2x
-    # faster to form on CPU than [b, q, k, d] (benchmarks/attention.py, the blocked kernel's tiles).
-    z_bkqd = jnp.einsum("bhqk,bkhd->bkqd", a_bhqk, v_bkhd)
-    return jnp.einsum("bhqk,bkqd->bqhd", a_bhqk, NONLINEARITIES[nonlinearity](z_bkqd))
+    z_bqkd = jnp.einsum("bhqk,bkhd->bqkd", a_bhqk, v_bkhd)
+    return jnp.einsum("bhqk,bqkd->bqhd", a_bhqk, NONLINEARITIES[nonlinearity](z_bqkd))
   raise ValueError(f"unknown attention value_network {value_network!r}; "
                    f"choose one of: {', '.join(VALUE_NETWORKS)}")
 
