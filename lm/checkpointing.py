@@ -119,16 +119,31 @@ class Checkpointer:
     self.manager.close()
 
 
-def load(workdir: str, step: int | None = None) -> tuple[ml_collections.ConfigDict, Any]:
-  """The saved config and the model parameters (as host-local arrays) of the latest or given step."""
-  manager = ocp.CheckpointManager(epath.Path(workdir) / "checkpoints",
-                                  item_names=("state", "data", "config"))
+def load(workdir: str, step: int | None = None, abstract_state: Any = None,
+         ) -> tuple[ml_collections.ConfigDict, Any]:
+  """The saved config and the model parameters of the latest or given step: host-local arrays, or
+  sharded as `abstract_state` says (ShapeDtypeStructs with shardings, from the saved config's
+  Experiment; see `saved_config`)."""
+  step, config = saved_config(workdir, step)
+  manager = _reader(workdir)
+  state = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state)))["state"]
+  manager.close()
+  return config, state.params if abstract_state is not None else state["params"]
+
+
+def saved_config(workdir: str, step: int | None = None) -> tuple[int, ml_collections.ConfigDict]:
+  """The latest (or given) complete step in workdir and the config it was saved with."""
+  manager = _reader(workdir)
   step = manager.latest_step() if step is None else step
   if step is None or step not in manager.all_steps():
     raise FileNotFoundError(f"no checkpoint{'' if step is None else f' at step {step}'} in "
                             f"{workdir}/checkpoints; steps there: {list(manager.all_steps())}")
   config = ml_collections.ConfigDict(
       manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
-  state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
   manager.close()
-  return config, state["params"]
+  return step, config
+
+
+def _reader(workdir: str) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(epath.Path(workdir) / "checkpoints", item_names=("state", "data", "config"))

@@ -2,7 +2,7 @@
 
 import functools
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import flax
 import jax
@@ -12,6 +12,7 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
+from data_pipelines import pipeline
 from lm import model as model_lib, optimizer as optimizer_lib, sharding, tasks
 
 
@@ -135,6 +136,11 @@ class Experiment:
     """Host-local rows → one global array per field, sharded over the batch axes."""
     return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
             for k, v in local.items()}
+
+  def eval_sets(self) -> dict[str, Callable[[], Iterator[dict[str, np.ndarray]]]]:
+    """This process's share of every evaluation set: the same batches on every call."""
+    return self.task.eval_sets(pipeline.Shard(jax.process_index(), jax.process_count()),
+                               self.config.eval.batch_size // jax.process_count())
 
   def evaluate(self, params, batches: Iterator[dict[str, np.ndarray]]) -> dict[str, float]:
     """The task's metrics over every batch of a set. Per-batch sums stay on device until the end,

@@ -109,9 +109,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     state = ckpt.restore(latest, exp.abstract_sharded_state(), data.shards)
     print(f"resumed from the checkpoint at step {latest} ({time.perf_counter() - start:.1f}s)", flush=True)
   first = int(jax.device_get(state.step))
-  eval_sets = exp.task.eval_sets(pipeline.Shard(jax.process_index(), jax.process_count()),
-                                 config.eval.batch_size // jax.process_count())
+  eval_sets = exp.eval_sets()
   writer = metrics.Writer(workdir, enabled=is_main)
+  # What lm-compare labels the run with; written on every (re)start, so the log alone describes it.
+  writer.write(first, "run", {"attention": exp.model_cfg.attention, "num_params": exp.num_params,
+                              "tokens_per_step": tokens_per_step})
   progress = metrics.Progress(steps, tokens_per_step, first, flops_per_token,
                               flops.peak_flops(jax.devices()))
   preemption = Preemption()

@@ -1,0 +1,64 @@
+"""Evaluates a checkpoint: `lm-eval --workdir=DIR [--step=S] [--split=validation]`.
+
+Restores the parameters sharded over the devices present (the saved config's Experiment says how),
+runs the task's deterministic evaluation pipeline, prints the metrics as JSON and writes them to
+DIR/eval/step_S.json.
+"""
+
+import json
+
+import jax
+from absl import app, flags, logging
+from etils import epath
+
+from lm import checkpointing
+from lm.experiment import Experiment
+
+def result_path(workdir: str, step: int) -> epath.Path:
+  return epath.Path(workdir) / "eval" / f"step_{step}.json"
+
+
+def evaluate(workdir: str, step: int | None = None, split: str = "validation") -> dict:
+  """Metrics of the checkpoint at `step` (default: the latest) on `split`, also written to
+  result_path(workdir, step) by process 0."""
+  step, config = checkpointing.saved_config(workdir, step)
+  exp = Experiment(config)
+  sets = exp.eval_sets()
+  if split not in sets:
+    raise ValueError(f"task {config.task!r} has no evaluation set {split!r}; choose one of: "
+                     f"{', '.join(sets)}")
+  _, params = checkpointing.load(workdir, step, exp.abstract_sharded_state())
+  result = {"step": step, "split": split, "attention": exp.model_cfg.attention,
+            "num_params": exp.num_params,
+            "tokens_seen": step * config.train.batch_size * exp.task.seq_len,
+            **exp.evaluate(params, sets[split]())}
+  if jax.process_index() == 0:
+    path = result_path(workdir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+  return result
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    result = evaluate(flags.FLAGS.workdir, flags.FLAGS.step, flags.FLAGS.split)
+  except (ValueError, FileNotFoundError) as e:
+    raise SystemExit(f"lm-eval: {e}") from e
+  print(json.dumps(result, indent=1))
+
+
+def run():
+  # Defined here, not on import: lm.train (imported beside this module by the sweep's tests and by
+  # library users) defines its own --workdir.
+  flags.DEFINE_string("workdir", None, "A training run's directory (lm-train --workdir).")
+  flags.DEFINE_integer("step", None, "Checkpoint step to evaluate; default: the latest.")
+  flags.DEFINE_string("split", "validation", "Evaluation set of the task.")
+  flags.mark_flags_as_required(["workdir"])
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
