@@ -14,13 +14,13 @@ import pytest
 from configs import fuzzy_logic as fuzzy_config, sraven as sraven_config
 from data_pipelines import pipeline, sraven
 from eval import ablate, latent
-from lm import attention, tasks, tasks_compositional as tc, train
+from lm import tasks, tasks_compositional as tc, train
 from lm.experiment import Experiment
 
 
 def tiny(config_module, **model):
   c = config_module.get_config()
-  c.model.update(D=16, qkv_dim=8, H=4, L=2, F=32, attention_dropout=0.0, **model)
+  c.model.update(**{**dict(D=16, qkv_dim=8, H=4, L=2, F=32, attention_dropout=0.0), **model})
   c.train.update(instances=8 * 30, batch_size=8, lr=3e-3, warmup_steps=3, log_every_steps=10)
   c.eval.update(every_steps=1000, batch_size=16, batches=1)
   c.checkpoint.every_steps = 1000
@@ -85,13 +85,14 @@ def test_wrong_model_for_the_task_names_the_fix():
     tasks.build(c, 8)
 
 
-@pytest.mark.parametrize("name", list(attention.PRESETS))
-def test_every_preset_trains_single_head_on_sraven(name):
+# Every preset's math is covered by tests/test_train.py; here the paper's three, single-head, on SRAVEN.
+@pytest.mark.parametrize("name", ["softmax", "linear", "hyla"])
+def test_single_head_models_train_on_sraven(name):
   exp = Experiment(tiny(sraven_config, attention=name, H=1))
   it = exp.task.train_iterator(pipeline.Shard(), 8)
   state = exp.init_state()
   losses = []
-  for _ in range(3):
+  for _ in range(2):
     state, stats = exp.train_step(state, exp.global_batch(next(it)))
     losses.append(float(stats["loss"]))
   assert np.all(np.isfinite(losses)), losses
