@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from data_pipelines import pipeline, sources
+from lm import tasks_compositional
 
 Batch = dict[str, np.ndarray]
 
@@ -90,7 +91,8 @@ class LanguageModeling:
     return result
 
 
-TASKS = {"lm": LanguageModeling}
+TASKS = {"lm": LanguageModeling, "sraven": tasks_compositional.Sraven,
+         "fuzzy_logic": tasks_compositional.FuzzyLogic}
 
 
 def build(config: ml_collections.ConfigDict, vocab_size: int) -> Task:

@@ -1,0 +1,147 @@
+"""Latent-code analysis of a SRAVEN or fuzzy-logic checkpoint (PAPER.md section 5).
+
+`lm-latent --workdir=DIR [--step=N] [--examples=2048]`
+
+The latent code of a (query, key) pair is the H-vector of normalised scores across heads, per layer.
+  - SRAVEN: for each of the 4 query tokens, the codes towards the same feature in the two earlier
+    panels of the last row (2H values); the label is the rule of that feature. (The paper uses the
+    last query token; every query token is the same construction for its own feature, so all four
+    are used: four times the examples.)
+  - Fuzzy logic: the code of the query token attending to itself (H values); the labels are the
+    task's K terms, decoded as a set (one-vs-rest, the K most likely terms).
+A logistic-regression decoder is fitted per layer on codes of training tasks and scored on held-out
+(OOD) tasks. Writes DIR/latent.json (printed too) and DIR/latent_embedding.png: a PCA of the final
+layer's OOD codes, coloured by rule (SRAVEN) or by the task's first term (fuzzy logic).
+"""
+
+import json
+
+import jax
+import matplotlib
+import numpy as np
+from absl import app, flags, logging
+from etils import epath
+from sklearn.decomposition import PCA
+from sklearn.linear_model import LogisticRegression
+from sklearn.multiclass import OneVsRestClassifier
+from sklearn.preprocessing import MultiLabelBinarizer
+
+from data_pipelines import fuzzy_logic, sraven
+from lm import checkpointing, model as model_lib
+from lm.tasks_compositional import EVAL_STEP0
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
+
+_BATCH = 256
+
+
+def codes_fn(config, params):
+  """inputs [B, T, I] -> per-layer normalised scores, a list of [B, H, T, T] numpy arrays."""
+  model = model_lib.Transformer(model_lib.ModelConfig.from_dict(config.model.to_dict()))
+  apply = jax.jit(lambda x: model.apply({"params": params}, x, return_codes=True)[1])
+  return lambda inputs: [np.asarray(c) for c in apply(inputs)]
+
+
+def sraven_codes(config, codes, split: str, examples: int):
+  """Features [L, n*4, 2H] and rule labels [n*4] of one split."""
+  d, feats, labels = config.data, [], []
+  for i in range(0, examples, _BATCH):
+    b = sraven.sample_batch(config.seed, EVAL_STEP0 + i, min(_BATCH, examples - i), split,
+                            split_seed=d.split_seed, frac_ood=d.frac_ood,
+                            permute_features=d.permute_features)
+    layers = codes(b["inputs_btv"])
+    rows = np.arange(len(b["task_b"]))[:, None]
+    per_slot = []
+    for slot in range(sraven.NUM_FEATURES):
+      keys_b2 = sraven.same_feature_positions(b["perm_bcf"], slot)
+      query = sraven.CONTEXT_LEN + slot
+      # a_bhqk[b, :, query, keys_b2[b]] for each layer -> [L, B, 2H]
+      per_slot.append(np.stack([a[rows, :, query, keys_b2].reshape(len(rows), -1) for a in layers]))
+    feats.append(np.concatenate(per_slot, axis=1))
+    labels.append(b["query_rules_bf"].T.reshape(-1))
+  return np.concatenate(feats, axis=1), np.concatenate(labels)
+
+
+def fuzzy_codes(config, codes, split: str, examples: int):
+  """Features [L, n, H] and term sets [n, K] of one split."""
+  d, feats, labels = config.data, [], []
+  for i in range(0, examples, _BATCH):
+    b = fuzzy_logic.sample_batch(config.seed, EVAL_STEP0 + i, min(_BATCH, examples - i), split,
+                                 num_vars=d.num_vars, num_terms=d.num_terms, seq_len=d.seq_len,
+                                 frac_test=d.frac_test, split_seed=d.split_seed,
+                                 frac_unknown=d.frac_unknown)
+    feats.append(np.stack([a[:, :, -1, -1] for a in codes(b["inputs_btv"])]))
+    labels.append(b["terms_bk"])
+  return np.concatenate(feats, axis=1), np.concatenate(labels)
+
+
+def decode_rules(x_train, y_train, x_ood, y_ood) -> float:
+  clf = LogisticRegression(max_iter=2000).fit(x_train, y_train)
+  return float((clf.predict(x_ood) == y_ood).mean())
+
+
+def decode_terms(x_train, terms_train, x_ood, terms_ood) -> float:
+  """Accuracy of the decoded term set: the K highest-scoring terms equal the task's terms."""
+  binarizer = MultiLabelBinarizer().fit(np.concatenate([terms_train, terms_ood]))
+  clf = OneVsRestClassifier(LogisticRegression(max_iter=2000)).fit(
+      x_train, binarizer.transform(terms_train))
+  top_nk = binarizer.classes_[np.argsort(-clf.decision_function(x_ood), axis=1)[:, :terms_ood.shape[1]]]
+  return float((np.sort(top_nk, axis=1) == np.sort(terms_ood, axis=1)).all(axis=1).mean())
+
+
+def analyse(workdir: str, step: int | None = None, examples: int = 2048) -> dict:
+  config, params = checkpointing.load(workdir, step)
+  codes = codes_fn(config, params)
+  if config.task == "sraven":
+    (x_tr, y_tr), (x_ood, y_ood) = (sraven_codes(config, codes, s, examples) for s in ("train", "ood"))
+    decode, label_name, colour = decode_rules, "rule", y_ood
+    chance = float(np.bincount(y_ood).max() / len(y_ood))
+  elif config.task == "fuzzy_logic":
+    (x_tr, y_tr), (x_ood, y_ood) = (fuzzy_codes(config, codes, s, examples) for s in ("train", "test"))
+    decode, label_name, colour = decode_terms, "first term", y_ood[:, 0]
+    chance = None
+  else:
+    raise SystemExit(f"lm-latent: {workdir} is a {config.task!r} run; latent codes are analysed for "
+                     "sraven and fuzzy_logic runs only")
+  result = {"task": config.task, "attention": config.model.attention, "heads": config.model.H,
+            "examples_per_split": examples,
+            "ood_decoding_accuracy_per_layer": [decode(x_tr[l], y_tr, x_ood[l], y_ood)
+                                                for l in range(len(x_tr))],
+            "majority_class_accuracy": chance}
+  embedding = PCA(n_components=2).fit_transform(x_ood[-1]) if x_ood.shape[-1] > 1 else \
+      np.concatenate([x_ood[-1], np.zeros_like(x_ood[-1])], axis=1)
+  fig, ax = plt.subplots(figsize=(5, 4.5))
+  points = ax.scatter(embedding[:, 0], embedding[:, 1], c=colour, cmap="tab10", s=4)
+  ax.legend(*points.legend_elements(), title=label_name, fontsize=7, loc="best")
+  ax.set(title=f"{config.task}, {config.model.attention}: final-layer OOD codes (PCA)",
+         xlabel="PC 1", ylabel="PC 2")
+  fig.tight_layout()
+  fig.savefig(epath.Path(workdir) / "latent_embedding.png", dpi=120)
+  plt.close(fig)
+  (epath.Path(workdir) / "latent.json").write_text(json.dumps(result, indent=1))
+  return result
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    result = analyse(flags.FLAGS.workdir, flags.FLAGS.step, flags.FLAGS.examples)
+  except FileNotFoundError as e:
+    raise SystemExit(f"lm-latent: {e}") from e
+  print(json.dumps(result, indent=1))
+
+
+def run():
+  # Defined here, not at import, so that lm-ablate can import this module next to lm.train's flags.
+  flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
+  flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
+  flags.DEFINE_integer("examples", 2048, "Instances per split (training tasks, OOD tasks).")
+  flags.mark_flags_as_required(["workdir"])
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
