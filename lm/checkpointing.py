@@ -90,7 +90,7 @@ class Checkpointer:
         save_interval_steps=cfg.every_steps, max_to_keep=cfg.keep,
         keep_period=cfg.keep_every or None, enable_async_checkpointing=cfg.use_async,
         create=True, cleanup_tmp_directories=True)
-    self.manager = ocp.CheckpointManager(epath.Path(workdir) / "checkpoints", options=options,
+    self.manager = ocp.CheckpointManager(_directory(workdir), options=options,
                                          item_names=("state", "data", "config"))
 
   def latest_step(self) -> int | None:
@@ -145,5 +145,12 @@ def saved_config(workdir: str, step: int | None = None) -> tuple[int, ml_collect
   return step, config
 
 
+def _directory(workdir: str | epath.Path) -> epath.Path:
+  # orbax's async commit threads reject relative paths (after the step has already trained), so a
+  # local workdir such as `runs/tiny` is made absolute here; gs:// paths are absolute already.
+  path = epath.Path(workdir)
+  return (path if "://" in str(workdir) else path.resolve()) / "checkpoints"
+
+
 def _reader(workdir: str) -> ocp.CheckpointManager:
-  return ocp.CheckpointManager(epath.Path(workdir) / "checkpoints", item_names=("state", "data", "config"))
+  return ocp.CheckpointManager(_directory(workdir), item_names=("state", "data", "config"))

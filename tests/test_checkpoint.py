@@ -163,3 +163,13 @@ def test_load_gives_the_config_and_parameters(small_corpus, reference):
   assert params["embed"].shape == (320, 32)
   with pytest.raises(FileNotFoundError, match="no checkpoint at step 7 .* steps there: \\[25, 30\\]"):
     checkpointing.load(str(reference), step=7)
+
+
+def test_a_relative_workdir_checkpoints_and_loads(small_corpus, tmp_path, monkeypatch):
+  """orbax's async commit rejects relative paths; `--workdir=runs/x` is what users type."""
+  monkeypatch.chdir(tmp_path)
+  c = small_config(small_corpus)
+  c.train.update(steps=4, log_every_steps=1)
+  c.checkpoint.update(every_steps=2, use_async=True)
+  train.train_and_evaluate(c, "runs/relative")
+  assert checkpointing.saved_config("runs/relative")[0] == 4
