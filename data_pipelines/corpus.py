@@ -125,8 +125,8 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int) -> float:
       tokenizer.train(records.shard_paths(data_dir, "train"), model, vocab_size)
     baseline = data_dir / f"unigram_{vocab_size}.json"
     if not baseline.exists():
-      ppl = pipeline.unigram_perplexity(records.shard_paths(data_dir, "train"),
-                                        records.shard_paths(data_dir, "validation"),
+      ppl = pipeline.unigram_perplexity(records.open_split(data_dir, "train"),
+                                        records.open_split(data_dir, "validation"),
                                         tokenizer.Tokenizer(model))
       baseline.write_text(json.dumps({"unigram_perplexity": ppl}))
   return json.loads(baseline.read_text())["unigram_perplexity"]

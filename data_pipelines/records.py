@@ -1,21 +1,54 @@
-"""ArrayRecord shards of JSON records shaped like C4's ({"text": ..., "url": ..., "timestamp": ...}).
+"""Record shards on disk: what a record holds, writing shards atomically, opening a split.
 
-Shards are named like TFDS's: `{split}.array_record-00000-of-00004` inside a data directory.
+Shards are named like TFDS's: `{split}.array_record-00000-of-00004` inside a data directory. A
+record is either a JSON object shaped like C4's ({"text": ..., "url": ..., "timestamp": ...}) or,
+in a pre-tokenized directory (one with TOKENIZED_BY), a document's token ids as little-endian int32.
+Shards that `lm-prepare` wrote have a stats file (documents, UTF-8 bytes, tokens) under `stats/`.
 """
 
+import dataclasses
 import json
 import os
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
+import grain
+import numpy as np
 from array_record.python import array_record_module
 from etils import epath
+
+TEXT, TFDS, TOKENS = "text", "tfds", "tokens"  # JSON text records; TFDS feature dicts; token ids
+TOKENIZED_BY = "tokenized_by.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Documents:
+  """One split: random-access records (len and [i]) and what they hold."""
+  source: Sequence[Any]
+  format: str  # TEXT, TFDS or TOKENS
+  text_bytes: int | None = None  # UTF-8 bytes of the split's text when known without reading it
+
+  def text(self, record) -> str:
+    return json.loads(record)["text"] if self.format == TEXT else record["text"].decode("utf-8")
 
 
 def shard_name(split: str, index: int, count: int) -> str:
   return f"{split}.array_record-{index:05d}-of-{count:05d}"
 
 
-def write_shard(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> int:
+def stats_path(shard: epath.Path) -> epath.Path:
+  return shard.parent / "stats" / f"{shard.name}.json"
+
+
+def to_json(record: dict[str, Any]) -> bytes:
+  return json.dumps(record, ensure_ascii=False).encode("utf-8")
+
+
+def to_ids(ids: np.ndarray) -> bytes:
+  return np.asarray(ids, "<i4").tobytes()
+
+
+def write_shard(path: str | os.PathLike, records: Iterable[Any],
+                encode: Callable[[Any], bytes] = to_json) -> int:
   """Writes records to one ArrayRecord file atomically (a crash never leaves a partial shard)."""
   path = epath.Path(path)
   tmp = path.parent / f".{path.name}.tmp"
@@ -23,7 +56,7 @@ def write_shard(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> i
   writer = array_record_module.ArrayRecordWriter(os.fspath(tmp), "group_size:1")
   n = 0
   for record in records:
-    writer.write(json.dumps(record, ensure_ascii=False).encode("utf-8"))
+    writer.write(encode(record))
     n += 1
   writer.close()
   tmp.rename(path)
@@ -37,8 +70,23 @@ def shard_paths(data_dir: str | os.PathLike, split: str) -> list[str]:
   if not paths:
     raise FileNotFoundError(
         f"no '{split}' shards ({split}.array_record-*-of-*) in {data_dir}; prepare the data with "
-        f"`lm-prepare` (see README, 'Data') or point data.dir at a prepared directory")
+        f"`lm-prepare` (see README, 'Train on C4') or point data.dir at a prepared directory")
   return [os.fspath(p) for p in paths]
+
+
+def open_split(data_dir: str | os.PathLike, split: str) -> Documents:
+  """A prepared directory's split, text or pre-tokenized."""
+  paths = shard_paths(data_dir, split)
+  source = grain.sources.ArrayRecordDataSource(paths)
+  if not (epath.Path(data_dir) / TOKENIZED_BY).exists():
+    return Documents(source, TEXT)
+  # Token ids no longer hold the text, so its size comes from what lm-prepare counted.
+  stats = [stats_path(epath.Path(p)) for p in paths]
+  missing = [s for s in stats if not s.exists()]
+  if missing:
+    raise FileNotFoundError(f"{missing[0]} is missing: the pre-tokenized '{split}' split in "
+                            f"{data_dir} is incomplete; run the same `lm-prepare` command again")
+  return Documents(source, TOKENS, sum(json.loads(s.read_text())["bytes"] for s in stats))
 
 
 def decode(record: bytes) -> dict[str, Any]:

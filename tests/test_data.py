@@ -2,7 +2,6 @@
 
 import collections
 
-import grain
 import ml_collections
 import numpy as np
 import pytest
@@ -14,12 +13,11 @@ def _tok(root):
   return tokenizer.Tokenizer(tokenizer.model_path(root, 320))
 
 
-def _transitions(paths, tok, shard=pipeline.Shard()):
+def _transitions(docs, tok, shard=pipeline.Shard()):
   """Every (token, next token) pair of every document: what the model must be asked to predict."""
-  source = grain.sources.ArrayRecordDataSource(paths)
   pairs = collections.Counter()
-  for i in range(shard.index, len(source), shard.count):
-    ids = tok.encode(records.decode(source[i])["text"])
+  for i in range(shard.index, len(docs.source), shard.count):
+    ids = tok.encode(docs.text(docs.source[i]))
     pairs.update(zip(ids[:-1].tolist(), ids[1:].tolist()))
   return pairs
 
@@ -33,19 +31,19 @@ def _predicted(batches):
 
 
 def test_validation_covers_every_target_exactly_once(small_corpus):
-  tok, paths = _tok(small_corpus), records.shard_paths(small_corpus, "validation")
-  batches = list(pipeline.eval_dataset(paths, tok, seq_len=16, batch_size=8))
-  assert _predicted(batches) == _transitions(paths, tok)
+  tok, docs = _tok(small_corpus), records.open_split(small_corpus, "validation")
+  batches = list(pipeline.eval_dataset(docs, tok, seq_len=16, batch_size=8))
+  assert _predicted(batches) == _transitions(docs, tok)
   assert {b["inputs"].shape for b in batches} == {(8, 16)}
   assert batches[-1]["weights"][-1].sum() == 0 or len(batches) * 8 == sum(
       int((b["segment_ids"].max(1) > 0).sum()) for b in batches)
-  again = list(pipeline.eval_dataset(paths, tok, seq_len=16, batch_size=8))
+  again = list(pipeline.eval_dataset(docs, tok, seq_len=16, batch_size=8))
   assert all(np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(batches, again))
 
 
 def test_targets_never_cross_documents_and_positions_restart(small_corpus):
   tok = _tok(small_corpus)
-  batch = next(iter(pipeline.train_dataset(records.shard_paths(small_corpus, "train"), tok,
+  batch = next(iter(pipeline.train_dataset(records.open_split(small_corpus, "train"), tok,
                                            seq_len=32, batch_size=16, seed=0)))
   seg, pos, w = batch["segment_ids"], batch["positions"], batch["weights"]
   starts = np.concatenate([np.ones((16, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
@@ -57,19 +55,19 @@ def test_targets_never_cross_documents_and_positions_restart(small_corpus):
 
 
 def test_shards_partition_the_split(small_corpus):
-  tok, paths = _tok(small_corpus), records.shard_paths(small_corpus, "validation")
-  parts = [_predicted(pipeline.eval_dataset(paths, tok, seq_len=16, batch_size=4,
+  tok, docs = _tok(small_corpus), records.open_split(small_corpus, "validation")
+  parts = [_predicted(pipeline.eval_dataset(docs, tok, seq_len=16, batch_size=4,
                                             shard=pipeline.Shard(i, 3))) for i in range(3)]
-  assert sum(parts, collections.Counter()) == _transitions(paths, tok)
-  assert parts[0] == _transitions(paths, tok, pipeline.Shard(0, 3))
+  assert sum(parts, collections.Counter()) == _transitions(docs, tok)
+  assert parts[0] == _transitions(docs, tok, pipeline.Shard(0, 3))
 
 
 def test_every_record_once_per_epoch_across_shards(small_corpus):
-  paths = records.shard_paths(small_corpus, "train")
-  everything = [bytes(r) for r in grain.sources.ArrayRecordDataSource(paths)]
+  docs = records.open_split(small_corpus, "train")
+  everything = [bytes(r) for r in docs.source]
   seen = []
   for j in range(3):
-    ds = pipeline.epochs(paths, seed=5, shard=pipeline.Shard(j, 3))
+    ds = pipeline.epochs(docs, seed=5, shard=pipeline.Shard(j, 3))
     n = len(everything[j::3])
     first, second = [ds[i] for i in range(n)], [ds[i] for i in range(n, 2 * n)]
     assert sorted(first) == sorted(second) and first != second  # same records, fresh order
@@ -78,16 +76,16 @@ def test_every_record_once_per_epoch_across_shards(small_corpus):
 
 
 def test_training_order_is_seeded(small_corpus):
-  tok, paths = _tok(small_corpus), records.shard_paths(small_corpus, "train")
-  first = lambda seed: next(iter(pipeline.train_dataset(paths, tok, seq_len=16, batch_size=4,
+  tok, docs = _tok(small_corpus), records.open_split(small_corpus, "train")
+  first = lambda seed: next(iter(pipeline.train_dataset(docs, tok, seq_len=16, batch_size=4,
                                                         seed=seed)))["inputs"]
   assert np.array_equal(first(1), first(1))
   assert not np.array_equal(first(1), first(2))
 
 
 def test_training_iterator_resumes_exactly(small_corpus):
-  tok, paths = _tok(small_corpus), records.shard_paths(small_corpus, "train")
-  make = lambda: iter(pipeline.train_dataset(paths, tok, seq_len=16, batch_size=4, seed=3))
+  tok, docs = _tok(small_corpus), records.open_split(small_corpus, "train")
+  make = lambda: iter(pipeline.train_dataset(docs, tok, seq_len=16, batch_size=4, seed=3))
   it = make()
   for _ in range(37):  # past the first epoch boundary of this small split
     next(it)
@@ -101,23 +99,20 @@ def test_training_iterator_resumes_exactly(small_corpus):
 
 def test_windows_overlap_by_one_token():
   ids = np.arange(10)
-  windows = [w["inputs"].tolist() for w in pipeline.Windows(4).flat_map(ids)]
-  assert windows == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
-  assert [w["inputs"].tolist() for w in pipeline.Windows(4).flat_map(np.arange(2))] == [[0, 1]]
+  windows = [w["inputs"].tolist() for w in pipeline.Windows(4).flat_map([ids, np.arange(2)])]
+  assert windows == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9], [0, 1]]
 
 
 def test_unigram_perplexity_and_bytes(small_corpus):
   tok = _tok(small_corpus)
-  train, val = (records.shard_paths(small_corpus, s) for s in ("train", "validation"))
-  counts = lambda paths: collections.Counter(
-      t for r in grain.sources.ArrayRecordDataSource(paths)
-      for t in tok.encode(records.decode(r)["text"])[1:].tolist())
+  train, val = (records.open_split(small_corpus, s) for s in ("train", "validation"))
+  counts = lambda docs: collections.Counter(
+      t for r in docs.source for t in tok.encode(docs.text(r))[1:].tolist())
   c_train, c_val = counts(train), counts(val)
   total = sum(c_train.values()) + tok.vocab_size
   nll = -sum(n * np.log((c_train[t] + 1) / total) for t, n in c_val.items()) / sum(c_val.values())
   assert pipeline.unigram_perplexity(train, val, tok) == pytest.approx(np.exp(nll), rel=1e-9)
-  text_bytes = sum(len(records.decode(r)["text"].encode()) for r in
-                   grain.sources.ArrayRecordDataSource(val))
+  text_bytes = sum(len(records.decode(r)["text"].encode()) for r in val.source)
   assert pipeline.split_bytes(val) == text_bytes
 
 
