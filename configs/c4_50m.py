@@ -1,5 +1,11 @@
 """The paper's C4 run (PAPER.md section 6): ~52M parameters, 130B tokens, a 16-chip v5e slice.
 
+data.source picks how C4 is held (see README, 'Train on C4'):
+  "c4"            TFDS's c4/en:3.1.0 in ArrayRecord format; data.dir is the TFDS data dir (local or
+                  gs://) that holds c4/en/3.1.0/;
+  "array_record"  shards that `lm-prepare` made from AllenAI's c4-train.*.json.gz files, as text or
+                  pre-tokenized (then data.tokenizer must be the model that tokenized them).
+
 Launch: `lm-launch tpu up -- lm-train --config=configs/c4_50m.py --workdir=gs://BUCKET/run
 --config.model.attention=hyla --config.data.dir=gs://BUCKET/tensorflow_datasets`.
 """
@@ -7,21 +13,25 @@ Launch: `lm-launch tpu up -- lm-train --config=configs/c4_50m.py --workdir=gs://
 from configs import base
 
 TOKENS = 130e9
-# T5's SentencePiece model (NanoDO's vocabulary): 32,000 pieces; the 100 extra ids are not used here.
+# T5's SentencePiece model (NanoDO's vocabulary): 32,000 pieces, no BOS; the 100 extra ids of its
+# name are T5's sentinel tokens, added by T5's code, not pieces of this file, and unused here.
 T5_VOCAB = "gs://t5-data/vocabs/cc_all.32000.100extra/sentencepiece.model"
 
 
 def get_config():
   c = base.get_config()
-  # 6 layers, width 512, 8 heads of 64, MLP 2048, rotary, pre-norm, untied output: 51.7M parameters.
+  # 6 layers, width 512, 8 heads of 64, MLP 2048, GELU, rotary, pre-norm, untied output:
+  # 51,655,680 parameters (lm-train prints the count at start).
   c.model.update(V=32_000, D=512, H=8, L=6, F=2048, positions="rotary", tied_embeddings=False,
                  max_len=512, dtype="bfloat16")
   c.data.update(source="c4", dir="gs://BUCKET/tensorflow_datasets", tokenizer=T5_VOCAB,
                 seq_len=512, threads=8)
+  # AdamW, 1000 warmup steps, cosine decay to 0.1x the peak (NanoDO's defaults).
   c.train.update(batch_size=256, lr=1.6e-3, warmup_steps=1000, end_lr_frac=0.1, log_every_steps=100)
   # The step count follows from the token budget: 130e9 / (256 x 512) = 991,821 steps.
   c.train.steps = int(TOKENS // (c.train.batch_size * c.data.seq_len))
-  c.mesh.update(data=-1, fsdp=1, tensor=1)
+  # The paper's 16 chips (v5e-16: 4 hosts of 4); elsewhere set --config.mesh.data=-1.
+  c.mesh.update(data=16, fsdp=1, tensor=1)
   c.checkpoint.update(every_steps=2000, keep=3, keep_every=100_000)
   c.eval.update(every_steps=10_000, batch_size=256)
   return c

@@ -17,7 +17,7 @@ from etils import epath
 
 from data_pipelines import corpus, records
 from data_pipelines.records import Documents
-from data_pipelines.tokenizer import T5_VOCAB, Tokenizer, model_path
+from data_pipelines.tokenizer import Tokenizer, model_path
 
 SOURCES = ("shakespeare", "array_record", "c4")
 SPLITS = ("train", "validation")
@@ -67,8 +67,8 @@ def _tokenizer(cfg: ml_collections.ConfigDict, vocab_size: int) -> Tokenizer:
   elif stamp:
     path = stamp["model"]
   elif cfg.source == "c4":
-    raise ValueError(f"data.tokenizer is empty; C4 needs a SentencePiece model, e.g. T5's "
-                     f"--config.data.tokenizer={T5_VOCAB}")
+    raise ValueError("data.tokenizer is empty; set it to a SentencePiece .model file, e.g. T5's "
+                     "(configs/c4_50m.py)")
   else:
     path = model_path(cfg.dir, vocab_size)
   tokenizer = Tokenizer(path)

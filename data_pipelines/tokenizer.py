@@ -1,6 +1,6 @@
 """SentencePiece tokenizers: training one on a corpus's train split, loading any model file.
 
-For C4 the paper (and NanoDO) use T5's model, `T5_VOCAB` below: 32,000 pieces, PAD 0, EOS 1, UNK 2 and
+For C4 the paper (and NanoDO) use T5's model (configs/c4_50m.py has its path): 32,000 pieces, PAD 0, EOS 1, UNK 2 and
 no BOS. Without a BOS the first token of a document is never a target (nothing precedes it to
 predict it from); models with a BOS predict it from the BOS.
 """
@@ -18,7 +18,6 @@ from data_pipelines import records
 
 # Ids fixed by our trained models; loaded models report their own (the T5 model has no BOS).
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
-T5_VOCAB = "gs://t5-data/vocabs/cc_all.32000.100extra/sentencepiece.model"
 
 
 def model_path(data_dir: str | os.PathLike, vocab_size: int) -> epath.Path:

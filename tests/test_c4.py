@@ -1,0 +1,253 @@
+"""C4's two on-disk forms, generated small: AllenAI-style json.gz shards through `lm-prepare`, and a
+TFDS c4/en:3.1.0 ArrayRecord dataset read by the real `tfds.data_source`."""
+
+import collections
+import gzip
+import json
+import math
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from etils import epath
+
+from conftest import make_documents
+from data_pipelines import pipeline, prepare, records, sources, tokenizer
+from lm.experiment import Experiment
+from small import small_config
+
+tfds.disable_progress_bar()
+
+with tfds.core.registered.skip_registration():
+
+  class C4(tfds.core.GeneratorBasedBuilder):
+    """Writes C4's TFDS layout and features ({text, url, timestamp}) from generated documents."""
+    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="en")]
+    VERSION = tfds.core.Version("3.1.0")
+
+    def __init__(self, docs, **kw):
+      self.docs = docs
+      super().__init__(**kw)
+
+    def _info(self):
+      text = tfds.features.Text()
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+          {"text": text, "url": text, "timestamp": text}))
+
+    def _split_generators(self, dl_manager):
+      return {split: self._generate_examples(docs) for split, docs in self.docs.items()}
+
+    def _generate_examples(self, docs):
+      for doc in docs:
+        yield doc["url"], doc
+
+
+def c4_documents(n: int, seed: int) -> list[dict]:
+  """Generated documents in C4's JSON shape, with non-ASCII text (bytes ≠ characters)."""
+  docs = make_documents(n, seed)
+  for i, d in enumerate(docs):
+    d["text"] = d["text"].replace("moon", "mōon —")
+    d["timestamp"] = f"2019-04-{i % 28 + 1:02d}T00:00:00Z"
+  return docs
+
+
+def _tok(corpus) -> tokenizer.Tokenizer:
+  return tokenizer.Tokenizer(tokenizer.model_path(corpus, 320))
+
+
+def _transitions(docs: list[dict], tok) -> collections.Counter:
+  pairs = collections.Counter()
+  for d in docs:
+    ids = tok.encode(d["text"])
+    pairs.update(zip(ids[:-1].tolist(), ids[1:].tolist()))
+  return pairs
+
+
+def _predicted(batches) -> collections.Counter:
+  pairs = collections.Counter()
+  for b in batches:
+    w = b["weights"] > 0
+    pairs.update(zip(b["inputs"][w].tolist(), b["targets"][w].tolist()))
+  return pairs
+
+
+@pytest.fixture(scope="module")
+def c4_docs():
+  return {"train": c4_documents(60, 10), "validation": c4_documents(24, 11)}
+
+
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory, c4_docs):
+  root = tmp_path_factory.mktemp("tfds")
+  C4(c4_docs, data_dir=str(root), file_format="array_record").download_and_prepare()
+  return root
+
+
+@pytest.fixture(scope="module")
+def allenai_files(tmp_path_factory, c4_docs):
+  """c4-{split}.0000i-of-0000n.json.gz files as AllenAI distributes C4."""
+  root = tmp_path_factory.mktemp("allenai")
+  for split, docs in c4_docs.items():
+    n = 3 if split == "train" else 2
+    for i in range(n):
+      with gzip.open(root / f"c4-{split}.{i:05d}-of-{n:05d}.json.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(d) + "\n" for d in docs[i::n])
+  return root
+
+
+def _prepare(allenai_files, output, **kw):
+  splits = {s: prepare.expand(f"{allenai_files}/c4-{s}.*.json.gz") for s in ("train", "validation")}
+  return prepare.prepare(splits, epath.Path(output), progress=False, **kw)
+
+
+def _data_cfg(source, data_dir, tok_path, **kw):
+  return ml_collections.ConfigDict(dict(source=source, dir=str(data_dir), tokenizer=str(tok_path),
+                                        **kw))
+
+
+def test_tfds_c4_validation_every_target_once_sharded_and_bytes(tfds_dir, c4_docs, small_corpus):
+  tok = _tok(small_corpus)
+  data = sources.resolve(_data_cfg("c4", tfds_dir, tok.path), 320)
+  assert (len(data.train.source), len(data.validation.source)) == (60, 24)
+  parts = [_predicted(pipeline.eval_dataset(data.validation, tok, seq_len=16, batch_size=4,
+                                            shard=pipeline.Shard(i, 2))) for i in range(2)]
+  assert parts[0] + parts[1] == _transitions(c4_docs["validation"], tok)
+  assert pipeline.split_bytes(data.validation) == sum(
+      len(d["text"].encode("utf-8")) for d in c4_docs["validation"])
+  assert pipeline.split_bytes(data.validation) > sum(len(d["text"]) for d in c4_docs["validation"])
+
+
+def test_tfds_c4_per_host_shards_partition_train_and_resume_exactly(tfds_dir, small_corpus):
+  tok = _tok(small_corpus)
+  docs = sources.tfds_split(tfds_dir, "train")
+  everything = sorted(docs.text(docs.source[i]) for i in range(len(docs.source)))
+  seen = []
+  for j in range(3):
+    epoch = pipeline.epochs(docs, seed=1, shard=pipeline.Shard(j, 3))
+    seen += [docs.text(epoch[i]) for i in range(len(range(j, 60, 3)))]
+  assert sorted(seen) == everything  # no overlap, no gap across process indices
+
+  make = lambda: iter(pipeline.train_dataset(docs, tok, seq_len=16, batch_size=4, seed=3,
+                                             shard=pipeline.Shard(1, 2), packing_bins=4))
+  it = make()
+  for _ in range(25):  # past the end of the shard's first epoch
+    next(it)
+  state = it.get_state()
+  expected = [next(it) for _ in range(4)]
+  resumed = make()
+  resumed.set_state(json.loads(json.dumps(state)))  # as a checkpoint stores it
+  for want in expected:
+    got = next(resumed)
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_tfds_c4_evaluation_is_token_weighted_with_bits_per_byte(tfds_dir, c4_docs, small_corpus):
+  c = small_config(small_corpus)
+  c.data.update(source="c4", dir=str(tfds_dir), tokenizer=str(_tok(small_corpus).path), seq_len=16)
+  c.eval.batch_size = 4
+  exp = Experiment(c)
+  result = exp.evaluate(exp.init_state().params, exp.eval_sets()["validation"]())
+  n = sum(_transitions(c4_docs["validation"], _tok(small_corpus)).values())
+  text_bytes = sum(len(d["text"].encode("utf-8")) for d in c4_docs["validation"])
+  assert result["tokens"] == n
+  assert result["bits_per_byte"] == pytest.approx(result["loss"] * n / math.log(2) / text_bytes)
+
+
+def test_missing_or_unconvertible_tfds_data_fail_clearly(tmp_path, tfds_dir, small_corpus):
+  cfg = _data_cfg("c4", tmp_path, _tok(small_corpus).path)
+  with pytest.raises(FileNotFoundError, match=r"c4/en/3.1.0/dataset_info.json is missing.*"
+                     r"tfds build c4/en:3.1.0.*lm-prepare"):
+    sources.resolve(cfg, 320)
+  version = tmp_path / "c4" / "en" / "3.1.0"
+  version.mkdir(parents=True)
+  (version / "dataset_info.json").write_text((tfds_dir / "c4/en/3.1.0/dataset_info.json").read_text())
+  (version / "c4-train.tfrecord-00000-of-00001").write_bytes(b"")
+  with pytest.raises(FileNotFoundError, match="as TFRecord.*tfds convert_format"):
+    sources.resolve(cfg, 320)
+  with pytest.raises(ValueError, match="model.V=999 but the tokenizer .* has 320 pieces"):
+    sources.resolve(_data_cfg("c4", tfds_dir, _tok(small_corpus).path), 999)
+  with pytest.raises(ValueError, match="data.tokenizer is empty"):
+    sources.resolve(_data_cfg("c4", tfds_dir, ""), 320)
+
+
+def test_lm_prepare_converts_json_gz_shards(tmp_path, allenai_files, c4_docs, small_corpus):
+  out = tmp_path / "text"
+  result = subprocess.run(
+      [sys.executable, "-m", "data_pipelines.prepare", f"--train={allenai_files}/c4-train.*.json.gz",
+       f"--validation={allenai_files}/c4-validation.*.json.gz", f"--output={out}", "--workers=2"],
+      capture_output=True, text=True, check=True)
+  totals = json.loads(result.stdout[result.stdout.index("{"):])
+  assert totals["train"]["documents"] == 60 and totals["validation"]["files"] == 2
+  assert totals["validation"]["bytes"] == sum(len(d["text"].encode()) for d in c4_docs["validation"])
+  assert "5/5" in result.stderr  # the progress bar reached the end
+  tok = _tok(small_corpus)
+  data = sources.resolve(_data_cfg("array_record", out, tok.path), 320)
+  assert sorted(data.train.text(r) for r in data.train.source) == sorted(
+      d["text"] for d in c4_docs["train"])
+  batches = pipeline.eval_dataset(data.validation, tok, seq_len=16, batch_size=4)
+  assert _predicted(batches) == _transitions(c4_docs["validation"], tok)
+
+
+def test_lm_prepare_resumes_after_interruption(tmp_path, allenai_files):
+  out = tmp_path / "text"
+  _prepare(allenai_files, out)
+  shards = {p.name: p.read_bytes() for p in out.glob("*.array_record-*")}
+  # What a run killed while writing train shard 1 leaves: its temporary file, no stats, no shard.
+  victim = out / records.shard_name("train", 1, 3)
+  victim.rename(out / f".{victim.name}.tmp")
+  records.stats_path(victim).unlink()
+  done_before = (out / records.shard_name("train", 0, 3)).stat().st_mtime_ns
+  totals = _prepare(allenai_files, out)
+  assert (totals["train"]["skipped"], totals["validation"]["skipped"]) == (2, 2)
+  assert totals["train"]["documents"] == 60  # skipped shards count from their stats
+  assert (out / records.shard_name("train", 0, 3)).stat().st_mtime_ns == done_before
+  assert {p.name: p.read_bytes() for p in out.glob("*.array_record-*")} == shards
+  assert len(records.open_split(out, "train").source) == 60
+
+
+def test_pretokenized_path_equals_raw_path_and_refuses_another_tokenizer(tmp_path, allenai_files,
+                                                                          small_corpus):
+  tok = _tok(small_corpus)
+  _prepare(allenai_files, tmp_path / "text")
+  _prepare(allenai_files, tmp_path / "ids", tokenizer=str(tok.path), pretokenize=True)
+  raw = sources.resolve(_data_cfg("array_record", tmp_path / "text", tok.path), 320)
+  ids = sources.resolve(_data_cfg("array_record", tmp_path / "ids", ""), 320)  # recorded model
+  assert ids.train.format == records.TOKENS and ids.tokenizer.sha256 == tok.sha256
+  for make in (lambda d: pipeline.train_dataset(d.train, tok, seq_len=16, batch_size=4, seed=2),
+               lambda d: pipeline.eval_dataset(d.validation, tok, seq_len=16, batch_size=4)):
+    for a, b in zip(_take(make(raw), 12), _take(make(ids), 12), strict=True):
+      for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+  assert pipeline.split_bytes(ids.validation) == pipeline.split_bytes(raw.validation)
+
+  other = tmp_path / "other.model"
+  tokenizer.train(records.shard_paths(tmp_path / "text", "train"), other, 300)
+  with pytest.raises(ValueError, match="pre-tokenized by .* but data.tokenizer is .*other.model"):
+    sources.resolve(_data_cfg("array_record", tmp_path / "ids", other), 300)
+  with pytest.raises(ValueError, match="pre-tokenized with another tokenizer"):
+    _prepare(allenai_files, tmp_path / "ids", tokenizer=str(other), pretokenize=True)
+  with pytest.raises(ValueError, match="holds pre-tokenized shards"):
+    _prepare(allenai_files, tmp_path / "ids")
+
+
+def _take(dataset, n):
+  it = iter(dataset)
+  return [b for b, _ in zip(it, range(n))]
+
+
+def test_text_and_jsonl_inputs(tmp_path):
+  (tmp_path / "a.txt").write_text("one whole document\nover two lines")
+  with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+    f.write('{"text": "first"}\n\n{"text": "second", "url": "x"}\n')
+  (tmp_path / "c.json").write_text('{"title": "no text"}\n')
+  assert list(prepare.documents(epath.Path(tmp_path / "a.txt"))) == [
+      "one whole document\nover two lines"]
+  assert list(prepare.documents(epath.Path(tmp_path / "b.jsonl.gz"))) == ["first", "second"]
+  with pytest.raises(ValueError, match=r"c.json, line 1: not a JSON object with a \"text\" field"):
+    list(prepare.documents(epath.Path(tmp_path / "c.json")))
+  assert prepare.expand(f"{tmp_path}/*.txt,{tmp_path}/b.jsonl.gz") == [
+      tmp_path / "a.txt", tmp_path / "b.jsonl.gz"]
