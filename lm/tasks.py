@@ -71,7 +71,7 @@ class LanguageModeling:
     d = self.config.data
     return {"validation": lambda: iter(pipeline.eval_dataset(
         self.data.validation, self.data.tokenizer, seq_len=d.seq_len, batch_size=rows, shard=shard,
-        packing_bins=d.packing_bins))}
+        packing_bins=d.packing_bins, threads=d.threads))}
 
   def loss(self, outputs, batch):
     total, _, count = weighted_xent(outputs, batch["targets"], batch["weights"])
