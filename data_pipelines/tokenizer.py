@@ -46,12 +46,12 @@ def train(paths: list[str], model: epath.Path, vocab_size: int) -> None:
 class Tokenizer:
   """A loaded SentencePiece model; documents become [BOS] ids [EOS] (BOS only if the model has one)."""
 
-  def __init__(self, path: str | os.PathLike, threads: int = 1):
+  def __init__(self, path: str | os.PathLike):
     path = epath.Path(path)
     if not path.exists():
       raise FileNotFoundError(f"tokenizer model {path} does not exist; set data.tokenizer to a "
                               f"SentencePiece .model file or prepare the data (see README, 'Data')")
-    self.path, self.threads = path, threads
+    self.path = path
     proto = path.read_bytes()
     self.sha256 = hashlib.sha256(proto).hexdigest()
     self.sp = spm.SentencePieceProcessor(model_proto=proto)
@@ -62,10 +62,12 @@ class Tokenizer:
     return self.encode_batch([text])[0]
 
   def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-    """Documents → [BOS] ids [EOS] each; SentencePiece encodes the list on `threads` threads."""
+    """Documents → [BOS] ids [EOS] each, in one SentencePiece call. One thread per call: grain's
+    read threads already tokenize groups in parallel, and SentencePiece's own threads gained
+    nothing on top of them (measured on the text of benchmarks/data_throughput.py)."""
     prefix = [self.bos] if self.bos >= 0 else []
     return [np.asarray(prefix + ids + [self.eos], dtype=np.int32)
-            for ids in self.sp.encode(texts, num_threads=self.threads)]
+            for ids in self.sp.encode(texts, num_threads=1)]
 
   def fingerprint(self) -> dict:
     """What pre-tokenized data records of the tokenizer that made it."""
@@ -82,7 +84,7 @@ class Tokenizer:
 
   def __getstate__(self):
     # grain may copy transforms into worker processes; the processor itself does not pickle.
-    return {"path": self.path, "threads": self.threads}
+    return {"path": self.path}
 
   def __setstate__(self, state):
-    self.__init__(state["path"], state["threads"])
+    self.__init__(state["path"])

@@ -5,8 +5,11 @@ import collections
 import gzip
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import ml_collections
 import numpy as np
@@ -192,21 +195,35 @@ def test_lm_prepare_converts_json_gz_shards(tmp_path, allenai_files, c4_docs, sm
   assert _predicted(batches) == _transitions(c4_docs["validation"], tok)
 
 
-def test_lm_prepare_resumes_after_interruption(tmp_path, allenai_files):
-  out = tmp_path / "text"
-  _prepare(allenai_files, out)
-  shards = {p.name: p.read_bytes() for p in out.glob("*.array_record-*")}
-  # What a run killed while writing train shard 1 leaves: its temporary file, no stats, no shard.
-  victim = out / records.shard_name("train", 1, 3)
-  victim.rename(out / f".{victim.name}.tmp")
-  records.stats_path(victim).unlink()
-  done_before = (out / records.shard_name("train", 0, 3)).stat().st_mtime_ns
-  totals = _prepare(allenai_files, out)
-  assert (totals["train"]["skipped"], totals["validation"]["skipped"]) == (2, 2)
-  assert totals["train"]["documents"] == 60  # skipped shards count from their stats
-  assert (out / records.shard_name("train", 0, 3)).stat().st_mtime_ns == done_before
-  assert {p.name: p.read_bytes() for p in out.glob("*.array_record-*")} == shards
-  assert len(records.open_split(out, "train").source) == 60
+def test_lm_prepare_resumes_after_being_killed(tmp_path):
+  inputs, out = tmp_path / "in", tmp_path / "out"
+  inputs.mkdir()
+  texts = [f"document {i} " + "the quick brown fox " * (i % 50) for i in range(120_000)]
+  for i in range(12):
+    (inputs / f"part-{i:02d}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                        for t in texts[i::12]))
+  cmd = [sys.executable, "-m", "data_pipelines.prepare", f"--train={inputs}/part-*.jsonl",
+         f"--validation={inputs}/part-00.jsonl", f"--output={out}", "--workers=1"]
+  proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          start_new_session=True)
+  stats = out / "stats"
+  while not (stats.exists() and list(stats.glob("train.*.json"))):
+    assert proc.poll() is None, "lm-prepare ended before it could be interrupted"
+    time.sleep(0.005)
+  os.killpg(proc.pid, signal.SIGKILL)  # the pool's workers too, mid-shard
+  proc.wait()
+  finished = {p.name: p.stat().st_mtime_ns for p in stats.glob("train.*.json")}
+  assert 0 < len(finished) < 12
+  shards = {name: (out / name.removesuffix(".json")).stat().st_mtime_ns for name in finished}
+
+  splits = {"train": prepare.expand(f"{inputs}/part-*.jsonl"),
+            "validation": prepare.expand(f"{inputs}/part-00.jsonl")}
+  totals = prepare.prepare(splits, epath.Path(out), progress=False)
+  assert totals["train"]["skipped"] == len(finished) and totals["train"]["documents"] == len(texts)
+  assert {n: (out / n.removesuffix(".json")).stat().st_mtime_ns for n in finished} == shards
+  docs = records.open_split(out, "train")
+  assert sorted(docs.text(r) for r in docs.source) == sorted(texts)  # each exactly once
+  assert not list(out.glob(".*.tmp"))  # the killed shard's partial file was redone and renamed
 
 
 def test_pretokenized_path_equals_raw_path_and_refuses_another_tokenizer(tmp_path, allenai_files,
