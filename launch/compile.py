@@ -43,9 +43,9 @@ class Chip:
 CHIPS = {"TPU v5 lite": Chip(16 * GiB, 819e9), "TPU v5": Chip(95 * GiB, 2765e9),
          "TPU v6 lite": Chip(32 * GiB, 1640e9)}
 # Topologies libtpu accepts here (tests/test_compile.py checks every one), for the error message.
-EXAMPLES = {"v5e": ["1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"],
-            "v5p": ["2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4"],
-            "v6e": ["1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"]}
+EXAMPLES = {"v5e": ["2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"],
+            "v5p": ["2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8"],
+            "v6e": ["2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"]}
 
 
 class UsageError(Exception):
@@ -72,7 +72,7 @@ def topology_devices(name: str) -> list:
                      f"{valid_topologies()}") from e
 
 
-def _argument_bytes(exp: Experiment) -> int:
+def argument_bytes(exp: Experiment) -> int:
   """Bytes of the state and batch on one chip, from their shardings (known without compiling)."""
   leaves = jax.tree.leaves([exp.abstract_sharded_state(), exp.batch_spec()])
   return sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape)) for x in leaves)
@@ -95,7 +95,7 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
       "attention": exp.model_cfg.attention, "num_params": exp.num_params, "batch_rows": rows,
       "seq_len": seq_len, "steps": config.train.steps,
       "tokens": config.train.steps * tokens_per_step, "hbm_bytes": chip.hbm_bytes,
-      "argument_bytes": _argument_bytes(exp),
+      "argument_bytes": argument_bytes(exp),
       "model_flops": flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len)
                      * tokens_per_step / len(devices),
   }
@@ -116,8 +116,7 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
       temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes,
       total_bytes=memory.peak_memory_in_bytes, fits=memory.peak_memory_in_bytes <= chip.hbm_bytes,
       compiler_flops=cost["flops"], compiler_bytes=cost["bytes accessed"],
-      # Negative when the step calls kernels the cost model cannot time (Pallas custom calls).
-      optimal_seconds=cost["optimal_seconds"] if cost["optimal_seconds"] > 0 else None)
+      optimal_seconds=cost["optimal_seconds"])
   # The compiler sees no FLOPs inside Pallas kernels; the model count never misses the attention.
   compute = max(out["compiler_flops"], out["model_flops"]) / peak
   memory_time = out["compiler_bytes"] / chip.hbm_bytes_per_second
@@ -146,8 +145,9 @@ def format_report(r: dict) -> str:
         f"  arguments (state and batch)  {_gib(r['argument_bytes'])}",
         f"  DOES NOT FIT in {_gib(r['hbm_bytes'])} of HBM; the compiler says: {r['compiler_message']}",
         f"  To fit: {fix}."])
-  optimal = (f"{r['optimal_seconds'] * 1e3:.1f} ms" if r["optimal_seconds"] else
-             "unusable (negative: the step calls Pallas kernels the cost model cannot time)")
+  optimal = (f"{r['optimal_seconds'] * 1e3:.1f} ms" if r["optimal_seconds"] > 0 else
+             f"unusable ({r['optimal_seconds']:.3f} s: negative when the cost model cannot time "
+             "some operation of the step)")
   return "\n".join(lines + [
       f"  arguments (state and batch)  {_gib(r['argument_bytes'])}",
       f"  outputs not aliased to them  {_gib(r['output_bytes'])}",
