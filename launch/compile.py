@@ -25,11 +25,6 @@ from ml_collections import config_flags
 from lm import flops
 from lm.experiment import Experiment
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
-_TOPOLOGY = flags.DEFINE_string("topology", "v5e:4x4", "TPU topology CHIP:AxB[xC], e.g. v5e:4x4 "
-                                "(the 16 chips of v5litepod-16), v5p:2x2x2, v6e:2x2.")
-_JSON = flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
-
 GiB = 2 ** 30
 
 
@@ -174,15 +169,20 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   try:
-    r = report(_CONFIG.value, _TOPOLOGY.value)
+    r = report(flags.FLAGS.config, flags.FLAGS.topology)
   except UsageError as e:
     print(f"lm-compile: {e}", file=sys.stderr)
     sys.exit(2)
-  print(json.dumps(r, indent=1) if _JSON.value else format_report(r), flush=True)
+  print(json.dumps(r, indent=1) if flags.FLAGS.json else format_report(r), flush=True)
   sys.exit(0 if r["fits"] else 1)
 
 
 def run():
+  # Defined here, not on import: benchmarks/compile_table.py imports this module beside its own flags.
+  config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
+  flags.DEFINE_string("topology", "v5e:4x4", "TPU topology CHIP:AxB[xC], e.g. v5e:4x4 (the 16 "
+                      "chips of v5litepod-16), v5p:2x2x2, v6e:2x2.")
+  flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
   flags.mark_flags_as_required(["config"])
   app.run(main)
 
