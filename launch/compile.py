@@ -88,7 +88,7 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
       "topology": topology, "chips": len(devices), "hosts": len({d.process_index for d in devices}),
       "device_kind": devices[0].device_kind, "mesh": dict(exp.mesh.shape),
       "attention": exp.model_cfg.attention, "num_params": exp.num_params, "batch_rows": rows,
-      "seq_len": seq_len, "steps": config.train.steps,
+      "seq_len": seq_len, "microbatches": config.train.microbatches, "steps": config.train.steps,
       "tokens": config.train.steps * tokens_per_step, "hbm_bytes": chip.hbm_bytes,
       "argument_bytes": argument_bytes(exp),
       "model_flops": flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len)
@@ -143,7 +143,7 @@ def format_report(r: dict) -> str:
   optimal = (f"{r['optimal_seconds'] * 1e3:.1f} ms" if r["optimal_seconds"] > 0 else
              f"unusable ({r['optimal_seconds']:.3f} s: negative when the cost model cannot time "
              "some operation of the step)")
-  return "\n".join(lines + [
+  lines += [
       f"  arguments (state and batch)  {_gib(r['argument_bytes'])}",
       f"  outputs not aliased to them  {_gib(r['output_bytes'])}",
       f"  temporaries                  {_gib(r['temp_bytes'])}",
@@ -160,7 +160,10 @@ def format_report(r: dict) -> str:
       f"{r['peak_flops'] / 1e12:.0f} TFLOP/s, bytes / {r['hbm_bytes_per_second'] / 1e9:.0f} GB/s), "
       f"{r['bound']}-bound",
       f"  run time    {r['estimated_hours']:.1f} h for {r['steps']:,} steps "
-      f"({r['tokens'] / 1e9:.1f}B tokens)"])
+      f"({r['tokens'] / 1e9:.1f}B tokens)"]
+  if r["microbatches"] > 1:  # XLA's cost analysis counts a loop's body once, whatever its trip count.
+    lines.append(f"  the compiler's FLOPs and bytes cover 1 of the {r['microbatches']} microbatches")
+  return "\n".join(lines)
 
 
 def main(argv):
