@@ -130,7 +130,8 @@ def format_report(r: dict) -> str:
   lines = [
       f"{r['attention']} attention, {r['num_params']:,} parameters, {r['batch_rows']} rows x "
       f"{r['seq_len']} tokens per step; {r['topology']}: {r['chips']} chips ({r['device_kind']}) on "
-      f"{r['hosts']} hosts, mesh {r['mesh']}; compiler ran {r['compile_seconds']:.0f} s",
+      f"{r['hosts']} host{'s' * (r['hosts'] > 1)}, mesh {r['mesh']}; compiler ran "
+      f"{r['compile_seconds']:.0f} s",
       "memory per chip:"]
   if "compiler_message" in r:
     fix = ("shard the state: mesh.fsdp (width) or mesh.tensor (heads, MLP, vocabulary)"
