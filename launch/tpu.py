@@ -184,8 +184,12 @@ def run(s: Slice, sh: Shell, cmd: Sequence[str]) -> None:
           f"lm-launch tpu logs --name={s.name}", flush=True)
 
 
+def logs_command(s: Slice, worker: str = "0") -> list[str]:
+  return ssh_command(s, f"tail -n 100 -F ~/{_LOG}", worker)
+
+
 def logs(s: Slice, sh: Shell, worker: str) -> None:
-  sh.run(ssh_command(s, f"tail -n 100 -F ~/{_LOG}", worker))
+  sh.run(logs_command(s, worker))
 
 
 def stop(s: Slice, sh: Shell) -> None:
@@ -200,3 +204,9 @@ def up(s: Slice, sh: Shell, cmd: Sequence[str]) -> None:
   create(s, sh)
   install(s, sh)
   run(s, sh, cmd)
+  if sh.dry_run:
+    # The rest of the slice's life, as shell comments: a pasted listing runs only the lines above.
+    later = (("follow the log", logs_command(s)), ("stop training", ssh_command(s, STOP_SCRIPT)),
+             ("delete the slice", delete_command(s)))
+    for when, argv in later:
+      print(f"# then, to {when}: {shlex.join(argv)}", flush=True)

@@ -122,10 +122,17 @@ class Experiment:
     with jax.set_mesh(self.mesh):
       return self._train_step(state, batch)
 
-  def lower_train_step(self, batch_spec: dict[str, jax.ShapeDtypeStruct]):
-    """The train step lowered for abstract inputs (ahead-of-time compilation for other devices)."""
+  def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+    """A global training batch as abstract arrays sharded like real ones; no data is read."""
+    rows = self.config.train.batch_size
+    return {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype, sharding=self.batch_sharding)
+            for k, v in self.task.example().items()}
+
+  def lower_train_step(self):
+    """The train step for abstract state and batch: ahead-of-time compilation for devices that
+    need not be present (lm-compile)."""
     with jax.set_mesh(self.mesh):
-      return self._train_step.lower(self.abstract_sharded_state(), batch_spec)
+      return self._train_step.lower(self.abstract_sharded_state(), self.batch_spec())
 
   @functools.cached_property
   def _eval_step(self):

@@ -5,7 +5,9 @@ A task gives the training loop three things and nothing else:
     state (`get_state`/`set_state`) goes into every checkpoint;
   - `loss(outputs, batch)`: the scalar minimised, and the number of examples or tokens it averages;
   - evaluation: `eval_sets(shard, rows)` names finite batch streams, `eval_sums(outputs, batch)` reduces
-    one batch to sums (on device), `summarize(sums)` turns the sums of a whole set into metrics.
+    one batch to sums (on device), `summarize(sums)` turns the sums of a whole set into metrics;
+  - `example()`: one row shaped like a training batch's, made without reading data, from which
+    ahead-of-time compilation (lm-compile) takes the batch's fields, shapes and dtypes.
 Model inputs come from `batch["inputs"]` and, when present, `batch["positions"]` and
 `batch["segment_ids"]`.
 """
@@ -40,6 +42,8 @@ class Task(Protocol):
 
   def summarize(self, sums: dict[str, float]) -> dict[str, float]: ...
 
+  def example(self) -> Batch: ...
+
 
 def weighted_xent(logits_btv: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array):
   """Sums over weighted tokens: (Σ nll, Σ nll², Σ weight)."""
@@ -55,7 +59,18 @@ class LanguageModeling:
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
     self.config = config
     self.seq_len = config.data.seq_len
-    self.data = sources.resolve(config.data, vocab_size)
+    self.vocab_size = vocab_size
+
+  @functools.cached_property
+  def data(self) -> sources.Splits:
+    # On first use, not in __init__: lm-compile builds the task on hosts that cannot read the data.
+    return sources.resolve(self.config.data, self.vocab_size)
+
+  def example(self):
+    # The pipeline's own conversion of an all-padding packed row: the fields of every real batch.
+    row = np.zeros((1, self.seq_len + 1), np.int32)
+    return pipeline.to_model_batch(
+        {"inputs": row, "inputs_segment_ids": row, "inputs_positions": row})
 
   def train_iterator(self, shard, rows):
     d = self.config.data
@@ -68,9 +83,9 @@ class LanguageModeling:
     return pipeline.split_bytes(self.data.validation)
 
   def eval_sets(self, shard, rows):
-    d = self.config.data
+    d, data = self.config.data, self.data  # missing data fails here, not at the first evaluation
     return {"validation": lambda: iter(pipeline.eval_dataset(
-        self.data.validation, self.data.tokenizer, seq_len=d.seq_len, batch_size=rows, shard=shard,
+        data.validation, data.tokenizer, seq_len=d.seq_len, batch_size=rows, shard=shard,
         packing_bins=d.packing_bins, threads=d.threads))}
 
   def loss(self, outputs, batch):

@@ -80,6 +80,9 @@ class Sraven:
   def train_iterator(self, shard, rows):
     return generated(lambda step, n: self.sample(self.config.seed, step, n, "train"), shard, rows)
 
+  def example(self):
+    return self.sample(self.config.seed, 0, 1, "train")
+
   def eval_sets(self, shard, rows):
     # "test": fresh instances of the training tasks; "ood": the held-out tasks (the headline).
     return {split: eval_batches(lambda step, n, s=split: self.sample(self.config.seed, step, n, s),
@@ -123,6 +126,9 @@ class FuzzyLogic:
 
   def train_iterator(self, shard, rows):
     return generated(lambda step, n: self.sample(self.config.seed, step, n, "train"), shard, rows)
+
+  def example(self):
+    return self.sample(self.config.seed, 0, 1, "train")
 
   def eval_sets(self, shard, rows):
     # The generator's "test" split (held-out combinations of known terms) is the compositional OOD

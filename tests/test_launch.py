@@ -104,6 +104,30 @@ def test_run_logs_stop_dry_run(capsys):
   assert shlex.split(stop)[5:7] == ["lm-tpu", "--worker=all"]
 
 
+def test_up_dry_run_for_a_queued_spot_v5e_16_slice(capsys):
+  """Every command of a run's life on a 16-chip slice (4 workers): the ones `up` runs, then as
+  comments the ones that follow it."""
+  train = ["lm-train", "--config=configs/c4_50m.py", "--workdir=gs://b/run"]
+  lines = dry_run(capsys, "up", "--queued", "--spot", "--accelerator-type=v5litepod-16", "--", *train)
+  describe = f"gcloud compute tpus queued-resources describe lm-tpu '--format=value(state.state)' {WHERE}"
+  assert lines[:3] == [
+      describe,
+      f"gcloud compute tpus queued-resources create lm-tpu --node-id=lm-tpu "
+      f"--accelerator-type=v5litepod-16 --runtime-version=v2-alpha-tpuv5-lite --spot {WHERE}",
+      describe]
+  archive, scp, install, start = map(shlex.split, lines[3:7])
+  assert archive[:4] == ["git", "-C", str(ROOT), "archive"]
+  assert scp[4:6] == ["scp", archive[-2].removeprefix("--output=")] and "--worker=all" in scp
+  assert install[4:7] == ["ssh", "lm-tpu", "--worker=all"] and "pip install" in install[7]
+  assert start[4:7] == ["ssh", "lm-tpu", "--worker=all"]
+  assert f"nohup {shlex.join(train)} --jax_distributed >> ~/lm-train.log" in start[7]
+  assert lines[7:] == [
+      f"# then, to follow the log: gcloud compute tpus tpu-vm ssh lm-tpu --worker=0 "
+      f"'--command=tail -n 100 -F ~/lm-train.log' {WHERE}",
+      f"# then, to stop training: {shlex.join(tpu.ssh_command(SLICE, tpu.STOP_SCRIPT))}",
+      f"# then, to delete the slice: gcloud compute tpus queued-resources delete lm-tpu --force {WHERE}"]
+
+
 def test_remote_run_and_stop_scripts(tmp_path):
   """The scripts that run and stop work on a worker, run here by bash in a fake home directory."""
   (tmp_path / "hyla-lm").mkdir()

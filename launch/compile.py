@@ -1,0 +1,195 @@
+"""lm-compile: the real train step compiled for a TPU topology on this host, before paying for one.
+
+  lm-compile --config=configs/c4_50m.py --topology=v5e:4x4 [--config.a.b=v ...] [--json]
+
+Lowers and compiles the step lm-train runs (same mesh rules, sharded state, batch, donation) with
+libtpu's compile-only devices for the topology, then prints per-chip memory against the chip's HBM,
+FLOPs per step, the compiler's own time estimate, and an estimated step time and run time for the
+config's token budget. Exit status 1 when the step does not fit in HBM, 2 for a usage error.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import ml_collections
+from absl import app, flags, logging
+from jax.experimental import topologies
+from ml_collections import config_flags
+
+from lm import flops
+from lm.experiment import Experiment
+
+GiB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  hbm_bytes: int
+  hbm_bytes_per_second: float  # peak FLOP/s are lm.flops.PEAK_FLOPS, which MFU uses too
+
+
+# Per chip, from Cloud TPU's system-architecture pages; keyed by the devices' device_kind.
+CHIPS = {"TPU v5 lite": Chip(16 * GiB, 819e9), "TPU v5": Chip(95 * GiB, 2765e9),
+         "TPU v6 lite": Chip(32 * GiB, 1640e9)}
+# Topologies libtpu accepts here (tests/test_compile.py checks every one), for the error message.
+EXAMPLES = {"v5e": ["2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"],
+            "v5p": ["2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8"],
+            "v6e": ["2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"]}
+
+
+class UsageError(Exception):
+  """A mistake in the command line; the message names the fix."""
+
+
+def valid_topologies() -> str:
+  return "; ".join(f"{chip}:{{{','.join(shapes)}}}" for chip, shapes in EXAMPLES.items())
+
+
+def topology_devices(name: str) -> list:
+  """libtpu's compile-only devices of a topology: they compile but never run."""
+  if importlib.util.find_spec("libtpu") is None:
+    raise UsageError("lm-compile needs libtpu to compile for TPU: pip install -e '.[tpu]'")
+  # The lock stops two processes from driving the same chips; compiling drives none, and a test
+  # suite or a second lm-compile may hold it.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  if name.split(":")[0] not in EXAMPLES:
+    raise UsageError(f"unknown topology {name!r}; choose one of: {valid_topologies()}")
+  try:
+    return topologies.get_topology_desc(name, "tpu").devices
+  except jax.errors.JaxRuntimeError as e:
+    raise UsageError(f"libtpu rejects topology {name!r} ({str(e).strip()}); choose one of: "
+                     f"{valid_topologies()}") from e
+
+
+def argument_bytes(exp: Experiment) -> int:
+  """Bytes of the state and batch on one chip, from their shardings (known without compiling)."""
+  leaves = jax.tree.leaves([exp.abstract_sharded_state(), exp.batch_spec()])
+  return sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape)) for x in leaves)
+
+
+def report(config: ml_collections.ConfigDict, topology: str) -> dict:
+  """Compiles the train step of `config` for `topology`; every number is per chip and per step."""
+  devices = topology_devices(topology)
+  chip = CHIPS[devices[0].device_kind]
+  peak = flops.peak_flops(devices[:1])
+  try:
+    exp = Experiment(config, devices=devices)
+  except ValueError as e:
+    raise UsageError(str(e)) from e
+  seq_len, rows = exp.task.seq_len, config.train.batch_size
+  tokens_per_step = rows * seq_len
+  out = {
+      "topology": topology, "chips": len(devices), "hosts": len({d.process_index for d in devices}),
+      "device_kind": devices[0].device_kind, "mesh": dict(exp.mesh.shape),
+      "attention": exp.model_cfg.attention, "num_params": exp.num_params, "batch_rows": rows,
+      "seq_len": seq_len, "microbatches": config.train.microbatches, "steps": config.train.steps,
+      "tokens": config.train.steps * tokens_per_step, "hbm_bytes": chip.hbm_bytes,
+      "argument_bytes": argument_bytes(exp),
+      "model_flops": flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len)
+                     * tokens_per_step / len(devices),
+  }
+  start = time.perf_counter()
+  try:
+    compiled = exp.lower_train_step().compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    # The compiler stops at the first buffer assignment that overflows: only its message remains.
+    return {**out, "fits": False, "compiler_message": str(e).strip(),
+            "compile_seconds": time.perf_counter() - start}
+  out["compile_seconds"] = time.perf_counter() - start
+  memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+  out.update(
+      argument_bytes=memory.argument_size_in_bytes,
+      output_bytes=memory.output_size_in_bytes - memory.alias_size_in_bytes,
+      temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes,
+      total_bytes=memory.peak_memory_in_bytes, fits=memory.peak_memory_in_bytes <= chip.hbm_bytes,
+      compiler_flops=cost["flops"], compiler_bytes=cost["bytes accessed"],
+      optimal_seconds=cost["optimal_seconds"])
+  # The compiler sees no FLOPs inside Pallas kernels; the model count never misses the attention.
+  compute = max(out["compiler_flops"], out["model_flops"]) / peak
+  memory_time = out["compiler_bytes"] / chip.hbm_bytes_per_second
+  out.update(estimated_step_seconds=max(compute, memory_time),
+             bound="compute" if compute >= memory_time else "HBM bandwidth", peak_flops=peak,
+             hbm_bytes_per_second=chip.hbm_bytes_per_second)
+  out["estimated_hours"] = out["estimated_step_seconds"] * config.train.steps / 3600
+  return out
+
+
+def _gib(x: float) -> str:
+  return f"{x / GiB:.2f} GiB"
+
+
+def format_report(r: dict) -> str:
+  lines = [
+      f"{r['attention']} attention, {r['num_params']:,} parameters, {r['batch_rows']} rows x "
+      f"{r['seq_len']} tokens per step; {r['topology']}: {r['chips']} chips ({r['device_kind']}) on "
+      f"{r['hosts']} host{'s' * (r['hosts'] > 1)}, mesh {r['mesh']}; compiler ran "
+      f"{r['compile_seconds']:.0f} s",
+      "memory per chip:"]
+  if "compiler_message" in r:
+    fix = ("shard the state: mesh.fsdp (width) or mesh.tensor (heads, MLP, vocabulary)"
+           if r["argument_bytes"] > r["hbm_bytes"] / 2 else
+           "lower train.batch_size, raise train.microbatches, or set model.remat=True")
+    return "\n".join(lines + [
+        f"  arguments (state and batch)  {_gib(r['argument_bytes'])}",
+        f"  DOES NOT FIT in {_gib(r['hbm_bytes'])} of HBM; the compiler says: {r['compiler_message']}",
+        f"  To fit: {fix}."])
+  optimal = (f"{r['optimal_seconds'] * 1e3:.1f} ms" if r["optimal_seconds"] > 0 else
+             f"unusable ({r['optimal_seconds']:.3f} s: negative when the cost model cannot time "
+             "some operation of the step)")
+  lines += [
+      f"  arguments (state and batch)  {_gib(r['argument_bytes'])}",
+      f"  outputs not aliased to them  {_gib(r['output_bytes'])}",
+      f"  temporaries                  {_gib(r['temp_bytes'])}",
+      f"  generated code               {_gib(r['code_bytes'])}",
+      f"  total (compiler's peak)      {_gib(r['total_bytes'])} of {_gib(r['hbm_bytes'])} HBM: "
+      + ("fits" if r["fits"] else "DOES NOT FIT"),
+      "per chip and step:",
+      f"  FLOPs, compiler              {r['compiler_flops']:.3e}",
+      f"  FLOPs, model (6N+attention)  {r['model_flops']:.3e}",
+      f"  HBM bytes, compiler          {r['compiler_bytes']:.3e}",
+      f"  compiler's optimal time      {optimal}",
+      "estimates, not measurements (docs/compile.md says how far to trust them):",
+      f"  step time   {r['estimated_step_seconds'] * 1e3:.1f} ms = max(FLOPs / "
+      f"{r['peak_flops'] / 1e12:.0f} TFLOP/s, bytes / {r['hbm_bytes_per_second'] / 1e9:.0f} GB/s), "
+      f"{r['bound']}-bound",
+      f"  run time    {r['estimated_hours']:.1f} h for {r['steps']:,} steps "
+      f"({r['tokens'] / 1e9:.1f}B tokens)"]
+  if r["microbatches"] > 1:  # XLA's cost analysis counts a loop's body once, whatever its trip count.
+    lines.append(f"  the compiler's FLOPs and bytes cover 1 of the {r['microbatches']} microbatches")
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected argument {argv[1]!r}; flags are --config, --topology, --json")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    r = report(flags.FLAGS.config, flags.FLAGS.topology)
+  except UsageError as e:
+    print(f"lm-compile: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(json.dumps(r, indent=1) if flags.FLAGS.json else format_report(r), flush=True)
+  sys.exit(0 if r["fits"] else 1)
+
+
+def run():
+  # Defined here, not on import: benchmarks/compile_table.py imports this module beside its own flags.
+  config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
+  flags.DEFINE_string("topology", "v5e:4x4", "TPU topology CHIP:AxB[xC], e.g. v5e:4x4 (the 16 "
+                      "chips of v5litepod-16), v5p:2x2x2, v6e:2x2.")
+  flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()

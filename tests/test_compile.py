@@ -1,0 +1,111 @@
+"""lm-compile: the real train step compiled for a v5e-16 slice (v5e:4x4) on this CPU host.
+
+The c4_50m model is cut to one layer and 16 rows (one per chip) so that each compile takes seconds;
+the topology, width, heads, vocabulary, sequence length and sharding stay the real run's.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("libtpu", reason="libtpu is not installed (pip install -e '.[tpu]'): "
+                    "lm-compile cannot compile for TPU here")
+
+from configs import c4_50m, sraven  # noqa: E402
+from data_pipelines import pipeline  # noqa: E402
+from launch import compile as compile_lib  # noqa: E402
+from lm.experiment import Experiment  # noqa: E402
+from small import small_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--config.model.L=1", "--config.train.batch_size=16"]
+
+
+def lm_compile(*argv: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "launch.compile", "--config=configs/c4_50m.py", *argv],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "hyla"])
+def test_compiles_c4_50m_for_v5e_4x4(attention):
+  result = lm_compile("--topology=v5e:4x4", f"--config.model.attention={attention}", *SMALL, "--json")
+  assert result.returncode == 0, result.stderr[-3000:]
+  r = json.loads(result.stdout)
+  assert (r["chips"], r["hosts"], r["device_kind"], r["fits"]) == (16, 4, "TPU v5 lite", True)
+  assert r["mesh"] == {"data": 16, "fsdp": 1, "tensor": 1}
+  # The compiler's argument buffers are what the shardings say, up to its padding: the state
+  # replicated on every chip (parameters and two Adam moments in float32, a few scalars) and one row
+  # of 5 fields of 4 bytes.
+  config = c4_50m.get_config()
+  config.model.update(L=1, attention=attention)
+  config.train.batch_size = 16
+  exp = Experiment(config, devices=compile_lib.topology_devices("v5e:4x4"))
+  assert r["num_params"] == exp.num_params
+  assert 0 <= r["argument_bytes"] - 3 * 4 * exp.num_params - 5 * 4 * 512 < 2 ** 16
+  assert r["argument_bytes"] + r["temp_bytes"] <= r["total_bytes"] < r["hbm_bytes"] == 16 * 2 ** 30
+  # The compiler and the model agree on the step's FLOPs within the attention core's share.
+  assert 0.8 < r["compiler_flops"] / r["model_flops"] < 1.25
+  step = max(r["compiler_flops"], r["model_flops"]) / 197e12
+  assert r["estimated_step_seconds"] == pytest.approx(max(step, r["compiler_bytes"] / 819e9))
+  assert r["estimated_hours"] == pytest.approx(r["estimated_step_seconds"] * r["steps"] / 3600)
+  assert r["tokens"] == r["steps"] * 16 * 512
+
+  text = compile_lib.format_report(r).splitlines()
+  assert text[0].startswith(f"{attention} attention, {exp.num_params:,} parameters, 16 rows x 512 "
+                            "tokens per step; v5e:4x4: 16 chips (TPU v5 lite) on 4 hosts")
+  assert "of 16.00 GiB HBM: fits" in text[6]
+  assert text[12].startswith("estimates, not measurements")
+  assert text[13].endswith("bound") and text[14].endswith("B tokens)")
+  # The compiler's own estimate only when it is one: it is negative when some operation is untimed.
+  for seconds, shown in ((-17.004, "unusable (-17.004 s: negative when"), (0.0123, "12.3 ms")):
+    assert shown in compile_lib.format_report({**r, "optimal_seconds": seconds}).splitlines()[11]
+
+
+def test_text_report_and_does_not_fit():
+  """8192 rows (512 per chip) need ~49 GiB of temporaries: the compiler stops at once, exit 1."""
+  result = lm_compile("--topology=v5e:4x4", "--config.model.L=1", "--config.train.batch_size=8192")
+  assert result.returncode == 1, result.stderr[-3000:]
+  out = result.stdout
+  assert "8192 rows x 512 tokens per step; v5e:4x4: 16 chips (TPU v5 lite) on 4 hosts" in out
+  assert "DOES NOT FIT in 16.00 GiB of HBM" in out
+  assert "exceeds available HBM (15.75G)" in out  # the compiler's own numbers
+  assert "To fit: lower train.batch_size, raise train.microbatches" in out
+
+
+@pytest.mark.parametrize("topology, message", [
+    ("v5e:3x3", "libtpu rejects topology 'v5e:3x3' (INVALID_ARGUMENT: Topology layout"),
+    ("tpu7", "unknown topology 'tpu7'"),
+])
+def test_unknown_topology(topology, message):
+  result = lm_compile(f"--topology={topology}")
+  assert result.returncode == 2
+  assert message in result.stderr
+  assert "choose one of: v5e:{2x2,2x4,4x4,4x8,8x8,8x16,16x16}; v5p:{2x2x1," in result.stderr
+
+
+def test_every_listed_topology_exists():
+  for chip, shapes in compile_lib.EXAMPLES.items():
+    for shape in shapes:
+      devices = compile_lib.topology_devices(f"{chip}:{shape}")
+      assert len(devices) == math.prod(int(n) for n in shape.split("x"))
+      assert devices[0].device_kind in compile_lib.CHIPS
+
+
+def _spec(batch):
+  return {k: (v.shape[1:], v.dtype) for k, v in batch.items()}
+
+
+def test_batch_spec_is_a_real_batch(small_corpus):
+  """What lm-compile compiles for is what the pipelines feed: fields, row shapes, dtypes."""
+  for config in (small_config(small_corpus), sraven.get_config()):
+    exp = Experiment(config, devices=jax.devices()[:1])
+    spec = exp.batch_spec()
+    real = next(exp.task.train_iterator(pipeline.Shard(), 2))
+    assert {k: (v.shape[1:], np.dtype(v.dtype)) for k, v in spec.items()} == _spec(real)
+    assert {v.shape[0] for v in spec.values()} == {config.train.batch_size}
