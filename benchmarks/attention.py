@@ -13,7 +13,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 from absl import app, flags
 
 from lm import attention, attention_softmax

@@ -22,10 +22,11 @@ import os
 from typing import Iterator
 
 import tqdm
-from absl import app, flags
+from absl import flags
 from etils import epath
 
 from data_pipelines import records, tokenizer as tokenizer_lib
+from lm import cli
 
 GROUP = 256  # documents per SentencePiece call when pre-tokenizing
 
@@ -182,7 +183,7 @@ def run():
                        "on the train split into the output directory (not with --pretokenize).")
   flags.DEFINE_integer("workers", os.cpu_count() or 1, "Worker processes (files in parallel).")
   flags.mark_flags_as_required(["train", "validation", "output"])
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,11 @@ import math
 
 import matplotlib
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from etils import epath
 
 from eval import latent
-from lm import attention, train
+from lm import attention, cli, train
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
@@ -114,7 +114,7 @@ def main(argv):
 
 def run():
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import numpy as np
 from absl import app, flags
 from etils import epath
 
+from lm import cli
+
 matplotlib.use("Agg")  # files only: no display on training hosts
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -100,7 +102,7 @@ def main(argv):
 
 def run():
   flags.mark_flags_as_required(["out"])
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

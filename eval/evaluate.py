@@ -8,10 +8,10 @@ DIR/eval/step_S.json.
 import json
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 from etils import epath
 
-from lm import checkpointing
+from lm import checkpointing, cli
 from lm.experiment import Experiment
 
 def result_path(workdir: str, step: int) -> epath.Path:
@@ -57,7 +57,7 @@ def run():
   flags.DEFINE_integer("step", None, "Checkpoint step to evaluate; default: the latest.")
   flags.DEFINE_string("split", "validation", "Evaluation set of the task.")
   flags.mark_flags_as_required(["workdir"])
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

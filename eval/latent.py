@@ -19,7 +19,7 @@ import json
 import jax
 import matplotlib
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from etils import epath
 from sklearn.decomposition import PCA
 from sklearn.linear_model import LogisticRegression
@@ -27,7 +27,7 @@ from sklearn.multiclass import OneVsRestClassifier
 from sklearn.preprocessing import MultiLabelBinarizer
 
 from data_pipelines import fuzzy_logic, sraven
-from lm import checkpointing, model as model_lib
+from lm import checkpointing, cli, model as model_lib
 from lm.tasks_compositional import EVAL_STEP0
 
 matplotlib.use("Agg")
@@ -140,7 +140,7 @@ def run():
   flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
   flags.DEFINE_integer("examples", 2048, "Instances per split (training tasks, OOD tasks).")
   flags.mark_flags_as_required(["workdir"])
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

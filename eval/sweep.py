@@ -12,14 +12,14 @@ import sys
 import time
 
 import ml_collections
-from absl import app, flags, logging
+from absl import flags, logging
 from etils import epath
 from ml_collections import config_flags
 
 from eval import compare
 
 FLAGS = flags.FLAGS
-from lm import attention
+from lm import attention, cli
 
 def sweep(config_file: str, config: ml_collections.ConfigDict, overrides: list[str],
           attentions: list[str], root: str) -> str:
@@ -77,7 +77,7 @@ def run():
                     "Attention presets (lm.attention.PRESETS) to train, one run each.")
   flags.DEFINE_string("root", None, "Directory holding one workdir per variant.")
   flags.mark_flags_as_required(["config", "root"])
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from absl import app, flags, logging
 from jax.experimental import topologies
 from ml_collections import config_flags
 
-from lm import flops
+from lm import cli, flops
 from lm.experiment import Experiment
 
 GiB = 2 ** 30
@@ -188,7 +188,7 @@ def run():
                       "chips of v5litepod-16), v5p:2x2x2, v6e:2x2.")
   flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

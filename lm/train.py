@@ -9,13 +9,13 @@ import time
 import jax
 import ml_collections
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from etils import epath
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from data_pipelines import pipeline
-from lm import checkpointing, flops, metrics
+from lm import checkpointing, cli, flops, metrics
 from lm.experiment import Experiment
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
@@ -200,7 +200,7 @@ def main(argv):
 
 def run():
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

@@ -291,3 +291,15 @@ def test_processes_forward_sigterm(tmp_path):
   proc.send_signal(signal.SIGTERM)
   assert proc.wait(timeout=30) == 0  # both children handled SIGTERM and exited 0
   assert (tmp_path / "term0").exists() and (tmp_path / "term1").exists()
+
+
+
+@pytest.mark.parametrize("script,expected", [("lm-train", ("--config", "--workdir")),
+                                             ("lm-eval", ("--workdir", "--step"))])
+def test_console_script_help_lists_its_flags(script, expected):
+  # An installed console script's main module is a generated wrapper that defines no flags, so
+  # absl's --help listed none before lm.cli registered them under the wrapper's name.
+  out = subprocess.run([str(Path(sys.executable).parent / script), "--help"], capture_output=True,
+                       text=True, timeout=120)
+  for flag in expected:
+    assert f"  {flag}:" in out.stdout, out.stdout

@@ -42,7 +42,7 @@ def test_packed_documents_do_not_see_each_other(positions):
 def test_variants_have_identical_parameter_counts():
   counts = {name: model_lib.count_params(_model(attention=name)[1]) for name in attention.PRESETS}
   assert len(set(counts.values())) == 1, counts
-  D, H, L, F, V = 32, 4, 2, 64, 50
+  D, L, F, V = 32, 2, 64, 50
   per_block = 4 * D * D + 2 * D * F + 2 * 2 * D  # q,k,v,o; MLP; two LayerNorms
   assert counts["hyla"] == V * D + L * per_block + 2 * D + D * V
 
