@@ -98,9 +98,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   seq_len, steps = exp.task.seq_len, config.train.steps
   tokens_per_step = config.train.batch_size * seq_len
   flops_per_token = flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len)
+  procs, devices = jax.process_count(), jax.device_count()
   print(f"model: {exp.model_cfg.attention} attention, {exp.num_params:,} parameters; "
-        f"{jax.process_count()} processes, {jax.device_count()} devices, mesh {dict(exp.mesh.shape)}",
-        flush=True)
+        f"{procs} process{'es' * (procs > 1)}, {devices} device{'s' * (devices > 1)}, "
+        f"mesh {dict(exp.mesh.shape)}", flush=True)
 
   if latest is None:
     state = exp.init_state()
