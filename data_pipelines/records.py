@@ -28,7 +28,7 @@ class Documents:
   text_bytes: int | None = None  # UTF-8 bytes of the split's text when known without reading it
 
   def text(self, record) -> str:
-    return json.loads(record)["text"] if self.format == TEXT else record["text"].decode("utf-8")
+    return decode(record)["text"] if self.format == TEXT else record["text"].decode("utf-8")
 
 
 def shard_name(split: str, index: int, count: int) -> str:

@@ -17,9 +17,10 @@ from etils import epath
 from ml_collections import config_flags
 
 from eval import compare
+from lm import attention, cli
 
 FLAGS = flags.FLAGS
-from lm import attention, cli
+
 
 def sweep(config_file: str, config: ml_collections.ConfigDict, overrides: list[str],
           attentions: list[str], root: str) -> str:

@@ -68,7 +68,8 @@ def topology_devices(name: str) -> list:
 
 
 def argument_bytes(exp: Experiment) -> int:
-  """Bytes of the state and batch on one chip, from their shardings (known without compiling)."""
+  """Bytes of the state and batch on one chip, from their shardings: what a step that failed to
+  compile still reports (the compiler's own figure replaces it when compiling succeeds)."""
   leaves = jax.tree.leaves([exp.abstract_sharded_state(), exp.batch_spec()])
   return sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape)) for x in leaves)
 
@@ -90,7 +91,6 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
       "attention": exp.model_cfg.attention, "num_params": exp.num_params, "batch_rows": rows,
       "seq_len": seq_len, "microbatches": config.train.microbatches, "steps": config.train.steps,
       "tokens": config.train.steps * tokens_per_step, "hbm_bytes": chip.hbm_bytes,
-      "argument_bytes": argument_bytes(exp),
       "model_flops": flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len)
                      * tokens_per_step / len(devices),
   }
@@ -102,6 +102,7 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
       raise
     # The compiler stops at the first buffer assignment that overflows: only its message remains.
     return {**out, "fits": False, "compiler_message": str(e).strip(),
+            "argument_bytes": argument_bytes(exp),
             "compile_seconds": time.perf_counter() - start}
   out["compile_seconds"] = time.perf_counter() - start
   memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
