@@ -4,7 +4,7 @@ q, k, v: [batch, seq, heads, head_dim] → out like q, in three steps:
   1. scores  s_bhqk = q·k / sqrt(d) + bias, masked by causality and packed-document segments;
   2. normalisation σ: softmax over keys, none, or rms_head (RMS over the head axis per (q, k));
   3. value network: linear, out_bqhd = Σ_k a_bhqk v_bkhd; or hypernetwork,
-     z_bqkd = Σ_h a_bhqk v_bkhd, out_bqhd = Σ_k a_bhqk φ(z_bqkd).
+     z_bkqd = Σ_h a_bhqk v_bkhd, out_bqhd = Σ_k a_bhqk φ(z_bkqd).
 
 `impl="reference"` is the literal einsum definition and the ground truth faster kernels are tested against.
 The others compute the same function without the [b, h, t, t] / [b, t, t, d] tensors (see `IMPLS`);
@@ -107,6 +107,13 @@ def masked_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, bias: jax.Array | None,
   return s_bhqk
 
 
+def rms_head(s_bhqk: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """s divided by its root mean square over the heads of its (q, k) pair, and the reciprocal RMS
+  r_b1qk (the blocked kernel's pullback reuses it)."""
+  r_b1qk = jax.lax.rsqrt(jnp.mean(jnp.square(s_bhqk), axis=1, keepdims=True) + RMS_HEAD_EPS)
+  return s_bhqk * r_b1qk, r_b1qk
+
+
 def normalize(s_bhqk: jax.Array, mask: jax.Array | None, *, normalization: str,
               lse_bhq: jax.Array | None = None) -> jax.Array:
   """Step 2 on masked scores. Softmax over a slice of the keys takes the full row's log-sum-exp
@@ -122,7 +129,7 @@ def normalize(s_bhqk: jax.Array, mask: jax.Array | None, *, normalization: str,
   elif normalization == "none":
     a_bhqk = s_bhqk
   elif normalization == "rms_head":
-    a_bhqk = s_bhqk * jax.lax.rsqrt(jnp.mean(jnp.square(s_bhqk), axis=1, keepdims=True) + RMS_HEAD_EPS)
+    a_bhqk = rms_head(s_bhqk)[0]
   else:
     raise ValueError(f"unknown attention normalization {normalization!r}; "
                      f"choose one of: {', '.join(NORMALIZATIONS)}")
@@ -147,9 +154,10 @@ def apply_value_network(a_bhqk: jax.Array, v_bkhd: jax.Array, *, value_network: 
   if value_network == "linear":
     return jnp.einsum("bhqk,bkhd->bqhd", a_bhqk, v_bkhd)
   if value_network == "hypernetwork":
-    # z is the generated first layer applied to x_k: one d-vector per (query, key) pair.
-    z_bqkd = jnp.einsum("bhqk,bkhd->bqkd", a_bhqk, v_bkhd)
-    return jnp.einsum("bhqk,bqkd->bqhd", a_bhqk, NONLINEARITIES[nonlinearity](z_bqkd))
+    # z is the generated first layer applied to x_k: one d-vector per (query, key) pair. Key-major,
+    # as the contraction over heads is a matmul batched over keys: z is never transposed.
+    z_bkqd = jnp.einsum("bhqk,bkhd->bkqd", a_bhqk, v_bkhd)
+    return jnp.einsum("bhqk,bkqd->bqhd", a_bhqk, NONLINEARITIES[nonlinearity](z_bkqd))
   raise ValueError(f"unknown attention value_network {value_network!r}; "
                    f"choose one of: {', '.join(VALUE_NETWORKS)}")
 

@@ -3,6 +3,8 @@
 One [block, block] tile of scores (and, for the hypernetwork value network, one [batch, block, block, d]
 tile of z) exists at a time, never [b, h, t, t] or [b, t, t, d]. The backward pass recomputes each tile
 (custom VJP), so training memory is linear in t as well. Tiles wholly above the causal diagonal are skipped.
+A tile's pullback comes from automatic differentiation for the linear value network and is written out
+for the hypernetwork (_hypernetwork_pullback), whose z-sized tensors autodiff laid out badly.
 
 rms_head and none normalise within one (q, k) pair, so a query's output is a plain sum over key tiles.
 Softmax needs the row's log-sum-exp before any tile's weights are known, and the hypernetwork applies φ to
@@ -71,6 +73,51 @@ def _tile(knobs, i, j, q_bqhd, k_bkhd, v_bkhd, seg_bt, bias, lse_bhq):
   out_bqhd = attention.apply_value_network(a_bhqk, v_bkhd, value_network=value_network,
                                            nonlinearity=nonlinearity).astype(jnp.float32)
   return out_bqhd, (a_bhqk.sum(-1) if lse_bhq is not None else None)
+
+
+def _hypernetwork_pullback(knobs, i, j, q_bqhd, k_bkhd, v_bkhd, bias, lse_bhq, seg_bt, g_bqhd):
+  """_tile's pullback for the hypernetwork value network, written out: automatic differentiation
+  transposed the [b, q, k, d] tensors between matmuls batched over queries and over keys and ran 1.6x
+  slower (benchmarks/attention.py). Here z, φ'(z) and dz stay key-major; only φ(z) meets a matmul
+  batched over queries.
+
+  Returns the tile's weights a_bhqk, the cotangent da_bhqk the output gives them, dv, and the pullback
+  from a's total cotangent to dq, dk and dbias."""
+  normalization, _, nonlinearity = knobs[:3]
+  mask = _tile_mask(knobs, i, j, seg_bt)
+  s_bhqk = attention.masked_scores(q_bqhd, k_bkhd, bias, mask)
+  if normalization == "rms_head":
+    a_bhqk, r_b1qk = attention.rms_head(s_bhqk)
+    a_bhqk = a_bhqk if mask is None else jnp.where(mask, a_bhqk, 0.0)
+    # a = s·r with r = (mean_h s² + ε)^-½, so ds = r·(da − a·mean_h(a·da)).
+    normalize_pullback = lambda da: r_b1qk * (da - a_bhqk * jnp.mean(a_bhqk * da, axis=1, keepdims=True))
+  else:
+    a_bhqk, vjp = jax.vjp(
+        lambda s: attention.normalize(s, mask, normalization=normalization, lse_bhq=lse_bhq), s_bhqk)
+    normalize_pullback = lambda da: vjp(da)[0]
+  # Matmul inputs in the compute dtype, as in the forward pass; sums accumulate in float32.
+  dtype, f32 = v_bkhd.dtype, dict(preferred_element_type=jnp.float32)
+  a_c, g_c = a_bhqk.astype(dtype), g_bqhd.astype(dtype)
+  z_bkqd = jnp.einsum("bhqk,bkhd->bkqd", a_c, v_bkhd)
+  p_bkqd, phi_pullback = jax.vjp(attention.NONLINEARITIES[nonlinearity], z_bkqd)
+  dz_bkqd = phi_pullback(jnp.einsum("bhqk,bqhd->bkqd", a_c, g_c))[0]
+  da_bhqk = (jnp.einsum("bqhd,bkqd->bhqk", g_c, p_bkqd, **f32)
+             + jnp.einsum("bkqd,bkhd->bhqk", dz_bkqd, v_bkhd, **f32))
+  dv_bkhd = jnp.einsum("bhqk,bkqd->bkhd", a_c, dz_bkqd, **f32)
+
+  def scores_pullback(da_bhqk):
+    ds_bhqk = normalize_pullback(da_bhqk)
+    if mask is not None:
+      # Masked scores were replaced by 0 (masked_scores): no gradient reaches q, k or the bias there.
+      ds_bhqk = jnp.where(mask, ds_bhqk, 0.0)
+    scale = q_bqhd.shape[-1] ** -0.5
+    ds_c = ds_bhqk.astype(q_bqhd.dtype)
+    dq_bqhd = jnp.einsum("bhqk,bkhd->bqhd", ds_c, k_bkhd, **f32) * scale
+    dk_bkhd = jnp.einsum("bhqk,bqhd->bkhd", ds_c, q_bqhd, **f32) * scale
+    dbias = None if bias is None else ds_bhqk.sum(0, keepdims=True) if bias.shape[0] == 1 else ds_bhqk
+    return dq_bqhd, dk_bkhd, dbias
+
+  return a_bhqk, da_bhqk, dv_bkhd, scores_pullback
 
 
 def _blocks(x: jax.Array, axis: int, index, block: int) -> jax.Array:
@@ -161,6 +208,10 @@ def _backward(knobs, residuals, dout):
 
       def body(j, dlse_bhq):
         args = tile_args(i, j)
+        if knobs[1] == "hypernetwork":
+          # a = exp(s − lse), so the output's pullback to lse is −Σ_k a·da.
+          a_bhqk, da_bhqk, _, _ = _hypernetwork_pullback(knobs, i, j, *args, seg_bt, dout_bqhd)
+          return dlse_bhq - (a_bhqk * da_bhqk).sum(-1)
         _, pullback = jax.vjp(lambda lse_t: tile_fn(i, j)(*args[:4], lse_t)[0], args[4])
         return dlse_bhq + pullback(dout_bqhd)[0]
 
@@ -175,8 +226,13 @@ def _backward(knobs, residuals, dout):
     def body(j, inner):
       dq_bqhd, dk, dv, dbias = inner
       args = tile_args(i, j)
-      _, pullback = jax.vjp(tile_fn(i, j), *args)
-      dq_t, dk_t, dv_t, dbias_t, _ = pullback((dout_bqhd, None if dlse is None else dlse_bhq))
+      if knobs[1] == "hypernetwork":
+        _, da_bhqk, dv_t, scores_pullback = _hypernetwork_pullback(knobs, i, j, *args, seg_bt, dout_bqhd)
+        # With softmax, the tile's mass Σ_k a_bhqk carries the row's log-sum-exp cotangent.
+        dq_t, dk_t, dbias_t = scores_pullback(da_bhqk if dlse is None else da_bhqk + dlse_bhq[..., None])
+      else:
+        _, pullback = jax.vjp(tile_fn(i, j), *args)
+        dq_t, dk_t, dv_t, dbias_t, _ = pullback((dout_bqhd, None if dlse is None else dlse_bhq))
       add = lambda acc, t, axis: jax.lax.dynamic_update_slice_in_dim(
           acc, _blocks(acc, axis, j, block) + t, j * block, axis)
       if dbias is not None:

@@ -199,3 +199,23 @@ def test_auto_compiles_the_pallas_kernel_for_tpu():
       lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg)
     assert lowered.as_text().count("tpu_custom_call") == kernels, preset
     assert lowered.compile() is not None
+
+
+@pytest.mark.parametrize("preset", ["hyla", "hyla_softmax"])
+def test_blocked_hypernetwork_pullback_in_bfloat16(preset):
+  """The model computes attention in bfloat16: the hand-written hypernetwork pullback keeps the inputs'
+  dtype, and its gradients are as close to float32 ones as the reference's computed in bfloat16."""
+  q, k, v, _, cotangent = _inputs()
+  kw = dict(**attention.preset(preset), segment_ids=SEGMENTS_BT)
+  reference = lambda q, k, v: attention.attend(q, k, v, **kw)
+  exact = jax.vjp(reference, q, k, v)[1](cotangent)
+
+  def errors(fn):
+    out, pull = jax.vjp(fn, *(x.astype(jnp.bfloat16) for x in (q, k, v)))
+    grads = pull(cotangent.astype(jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+    return [np.abs(np.asarray(g, np.float32) - e).max() / np.abs(e).max() for g, e in zip(grads, exact)]
+
+  blocked, rounded = errors(lambda q, k, v: _blocked(q, k, v, **kw)), errors(reference)
+  for name, b, r in zip(("dq", "dk", "dv"), blocked, rounded):
+    assert b <= 1.5 * r + 1e-3, (name, b, r)
