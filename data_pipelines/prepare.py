@@ -84,9 +84,7 @@ def convert(job: tuple[str, str, str], tokenizer: str) -> dict:
     records.write_shard(shard, _tokenized(texts, _worker_tokenizer(tokenizer), stats), records.to_ids)
   else:
     records.write_shard(shard, ({"text": t} for t in texts))
-  tmp = stats_file.parent / f".{stats_file.name}.tmp"
-  tmp.write_text(json.dumps(stats))
-  tmp.rename(stats_file)  # last: the shard is done only once this exists
+  records.write_stats(shard, stats)  # last: the shard is done only once its stats exist
   return {"split": split, "skipped": False, **stats}
 
 

@@ -39,6 +39,19 @@ def stats_path(shard: epath.Path) -> epath.Path:
   return shard.parent / "stats" / f"{shard.name}.json"
 
 
+def _temporary(path: epath.Path) -> epath.Path:
+  """Where a file is written before being renamed to path, so path never names a partial file."""
+  return path.parent / f".{path.name}.tmp"
+
+
+def write_stats(shard: epath.Path, stats: dict[str, Any]) -> None:
+  """Writes a shard's stats (documents, UTF-8 bytes, tokens) atomically; lm-prepare writes them last,
+  so their presence marks the shard as done."""
+  path, tmp = stats_path(shard), _temporary(stats_path(shard))
+  tmp.write_text(json.dumps(stats))
+  tmp.rename(path)
+
+
 def to_json(record: dict[str, Any]) -> bytes:
   return json.dumps(record, ensure_ascii=False).encode("utf-8")
 
@@ -51,7 +64,7 @@ def write_shard(path: str | os.PathLike, records: Iterable[Any],
                 encode: Callable[[Any], bytes] = to_json) -> int:
   """Writes records to one ArrayRecord file atomically (a crash never leaves a partial shard)."""
   path = epath.Path(path)
-  tmp = path.parent / f".{path.name}.tmp"
+  tmp = _temporary(path)
   # group_size:1 keeps random access cheap: grain reads single records in shuffled order.
   writer = array_record_module.ArrayRecordWriter(os.fspath(tmp), "group_size:1")
   n = 0

@@ -85,7 +85,8 @@ def _hypernetwork_pullback(knobs, i, j, q_bqhd, k_bkhd, v_bkhd, bias, lse_bhq, s
   from a's total cotangent to dq, dk and dbias."""
   normalization, _, nonlinearity = knobs[:3]
   mask = _tile_mask(knobs, i, j, seg_bt)
-  s_bhqk = attention.masked_scores(q_bqhd, k_bkhd, bias, mask)
+  s_bhqk, scores_vjp = jax.vjp(lambda q, k, b: attention.masked_scores(q, k, b, mask),
+                               q_bqhd, k_bkhd, bias)
   if normalization == "rms_head":
     a_bhqk, r_b1qk = attention.rms_head(s_bhqk)
     a_bhqk = a_bhqk if mask is None else jnp.where(mask, a_bhqk, 0.0)
@@ -104,19 +105,8 @@ def _hypernetwork_pullback(knobs, i, j, q_bqhd, k_bkhd, v_bkhd, bias, lse_bhq, s
   da_bhqk = (jnp.einsum("bqhd,bkqd->bhqk", g_c, p_bkqd, **f32)
              + jnp.einsum("bkqd,bkhd->bhqk", dz_bkqd, v_bkhd, **f32))
   dv_bkhd = jnp.einsum("bhqk,bkqd->bkhd", a_c, dz_bkqd, **f32)
-
-  def scores_pullback(da_bhqk):
-    ds_bhqk = normalize_pullback(da_bhqk)
-    if mask is not None:
-      # Masked scores were replaced by 0 (masked_scores): no gradient reaches q, k or the bias there.
-      ds_bhqk = jnp.where(mask, ds_bhqk, 0.0)
-    scale = q_bqhd.shape[-1] ** -0.5
-    ds_c = ds_bhqk.astype(q_bqhd.dtype)
-    dq_bqhd = jnp.einsum("bhqk,bkhd->bqhd", ds_c, k_bkhd, **f32) * scale
-    dk_bkhd = jnp.einsum("bhqk,bqhd->bkhd", ds_c, q_bqhd, **f32) * scale
-    dbias = None if bias is None else ds_bhqk.sum(0, keepdims=True) if bias.shape[0] == 1 else ds_bhqk
-    return dq_bqhd, dk_bkhd, dbias
-
+  # dq, dk and dbias from a's total cotangent (masked scores get none).
+  scores_pullback = lambda da_bhqk: scores_vjp(normalize_pullback(da_bhqk))
   return a_bhqk, da_bhqk, dv_bkhd, scores_pullback
 
 
