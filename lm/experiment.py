@@ -13,7 +13,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from data_pipelines import pipeline
-from lm import model as model_lib, optimizer as optimizer_lib, sharding, tasks
+from lm import model as model_lib, optimizer as optimizer_lib, sharding, stats, tasks
 
 
 @flax.struct.dataclass
@@ -151,11 +151,12 @@ class Experiment:
 
   def evaluate(self, params, batches: Iterator[dict[str, np.ndarray]]) -> dict[str, float]:
     """The task's metrics over every batch of a set. Per-batch sums stay on device until the end,
-    so the host dispatches the whole set without waiting; they are added in float64."""
+    so the host dispatches the whole set without waiting; they are added (moments merged) in float64."""
     with jax.set_mesh(self.mesh):
       per_batch = jax.device_get([self._eval_step(params, self.global_batch(b))
                                   for b in _until_all_done(batches)])
-    sums = {k: float(np.sum([np.float64(b[k]) for b in per_batch])) for k in per_batch[0]}
+    sums = {k: stats.merge_all([b[k] for b in per_batch]) if isinstance(v, stats.Moments)
+            else float(np.sum([np.float64(b[k]) for b in per_batch])) for k, v in per_batch[0].items()}
     return self.task.summarize(sums)
 
 

@@ -10,7 +10,6 @@ a checkpoint needs. Evaluation batches use generator steps from EVAL_STEP0 on, w
 stream never reaches.
 """
 
-import math
 
 import grain
 import jax
@@ -19,6 +18,7 @@ import ml_collections
 import numpy as np
 
 from data_pipelines import fuzzy_logic, pipeline, sraven
+from lm import stats
 
 EVAL_STEP0 = 2 ** 40
 R2_MIN_VAR = 1e-6  # sequences whose targets barely vary would dominate the mean R²; floor their variance
@@ -50,12 +50,6 @@ def fuzzy_sums(pred_b: jax.Array, targets_b: jax.Array, target_var_b: jax.Array)
   r2_b = 1.0 - err2_b / jnp.maximum(target_var_b, R2_MIN_VAR)
   return {"examples": jnp.float32(targets_b.shape[0]), "sq_err": err2_b.sum(), "r2": r2_b.sum(),
           "r2_sq": (r2_b ** 2).sum()}
-
-
-def _mean_stderr(total: float, total_sq: float, n: float) -> tuple[float, float]:
-  mean = total / max(n, 1.0)
-  var = max(total_sq / max(n, 1.0) - mean ** 2, 0.0) * n / max(n - 1, 1.0)
-  return mean, math.sqrt(var / max(n, 1.0))
 
 
 class Sraven:
@@ -98,7 +92,8 @@ class Sraven:
 
   def summarize(self, sums):
     n, p = sums["examples"], sums["correct"] / max(sums["examples"], 1.0)
-    return {"accuracy": p, "accuracy_stderr": math.sqrt(p * (1 - p) / max(n, 1.0)),
+    correct = stats.Moments.from_sums(sums["correct"], sums["correct"], n)  # 0/1 values: x² = x
+    return {"accuracy": p, "accuracy_stderr": float(correct.stderr),
             "feature_accuracy": sums["features_correct"] / max(n, 1.0),
             "loss": sums["nll"] / max(n, 1.0), "examples": int(n)}
 
@@ -147,5 +142,5 @@ class FuzzyLogic:
 
   def summarize(self, sums):
     n = sums["examples"]
-    r2, r2_stderr = _mean_stderr(sums["r2"], sums["r2_sq"], n)
-    return {"r2": r2, "r2_stderr": r2_stderr, "mse": sums["sq_err"] / max(n, 1.0), "examples": int(n)}
+    r2 = stats.Moments.from_sums(sums["r2"], sums["r2_sq"], n)
+    return {"r2": r2.mean, "r2_stderr": float(r2.stderr), "mse": sums["sq_err"] / max(n, 1.0), "examples": int(n)}

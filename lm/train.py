@@ -3,6 +3,7 @@
 Resumes from the latest complete checkpoint in DIR; on SIGTERM finishes the step, saves, exits 0.
 """
 
+import numbers
 import signal
 import time
 
@@ -125,7 +126,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       start = time.perf_counter()
       result = {**exp.evaluate(state.params, batches()), "tokens_seen": step * tokens_per_step}
       writer.write(step, f"eval/{name}", result)
-      shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items() if k != "tokens_seen")
+      # Numbers only: the loss by position is in the log, too long for the line.
+      shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items()
+                        if k != "tokens_seen" and isinstance(v, numbers.Real))
       print(f"eval {name} at step {step}: {shown} ({time.perf_counter() - start:.1f}s)", flush=True)
       results[name] = result
     return results
