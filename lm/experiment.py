@@ -144,10 +144,11 @@ class Experiment:
     return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
             for k, v in local.items()}
 
-  def eval_sets(self) -> dict[str, Callable[[], Iterator[dict[str, np.ndarray]]]]:
-    """This process's share of every evaluation set: the same batches on every call."""
+  def eval_sets(self, final: bool = False) -> dict[str, Callable[[], Iterator[dict[str, np.ndarray]]]]:
+    """This process's share of every evaluation set: the same batches on every call. `final`: the
+    sets of a run's last evaluation (larger for tasks that say so)."""
     return self.task.eval_sets(pipeline.Shard(jax.process_index(), jax.process_count()),
-                               self.config.eval.batch_size // jax.process_count())
+                               self.config.eval.batch_size // jax.process_count(), final)
 
   def evaluate(self, params, batches: Iterator[dict[str, np.ndarray]]) -> dict[str, float]:
     """The task's metrics over every batch of a set. Per-batch sums stay on device until the end,

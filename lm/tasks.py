@@ -34,7 +34,8 @@ class Task(Protocol):
 
   def train_iterator(self, shard: pipeline.Shard, rows: int) -> grain.DatasetIterator: ...
 
-  def eval_sets(self, shard: pipeline.Shard, rows: int) -> dict[str, Callable[[], Iterator[Batch]]]: ...
+  def eval_sets(self, shard: pipeline.Shard, rows: int,
+                final: bool = False) -> dict[str, Callable[[], Iterator[Batch]]]: ...
 
   def loss(self, outputs: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]: ...
 
@@ -86,7 +87,8 @@ class LanguageModeling:
   def validation_bytes(self) -> int:
     return pipeline.split_bytes(self.data.validation)
 
-  def eval_sets(self, shard, rows):
+  def eval_sets(self, shard, rows, final=False):
+    del final  # the whole validation split every time
     d, data = self.config.data, self.data  # missing data fails here, not at the first evaluation
     return {"validation": lambda: iter(pipeline.eval_dataset(
         data.validation, data.tokenizer, seq_len=d.seq_len, batch_size=rows, shard=shard,

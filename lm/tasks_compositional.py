@@ -34,6 +34,17 @@ def eval_batches(sample, shard: pipeline.Shard, rows: int, num_batches: int):
   return lambda: (sample(EVAL_STEP0 + i * shard.count + shard.index, rows) for i in range(num_batches))
 
 
+def num_eval_batches(config: ml_collections.ConfigDict, final: bool) -> int:
+  """eval.batches per set; the final evaluation takes eval.final_batches (the paper's sizes) if set."""
+  return (final and config.eval.get("final_batches", 0)) or config.eval.batches
+
+
+def split_seed(config: ml_collections.ConfigDict) -> int:
+  """The seed of the held-out task split: data.split_seed, or the run's seed when it is -1 (as the
+  paper's code does, so that seeds also vary which tasks are held out)."""
+  return config.seed if config.data.split_seed < 0 else config.data.split_seed
+
+
 def sraven_sums(logits_bfv: jax.Array, targets_bf: jax.Array) -> dict[str, jax.Array]:
   """Sums over a batch: instances, mean cross-entropy over features, all-4-correct, correct features."""
   logp_bfv = jax.nn.log_softmax(logits_bfv.astype(jnp.float32))
@@ -63,12 +74,12 @@ class Sraven:
       raise ValueError(f"SRAVEN needs model.V={sraven.NUM_VALUES} and model.input_dim={sraven.NUM_VALUES}, "
                        f"got V={vocab_size}, input_dim={m.input_dim}; start from configs/sraven.py")
     self.config = config
-    sraven.task_split(config.data.split_seed, config.data.frac_ood)  # a bad fraction fails here
+    sraven.task_split(split_seed(config), config.data.frac_ood)  # a bad fraction fails here
 
   def sample(self, seed: int, step: int, rows: int, split: str) -> dict[str, np.ndarray]:
     d = self.config.data
-    b = sraven.sample_batch(seed, step, rows, split, split_seed=d.split_seed, frac_ood=d.frac_ood,
-                            permute_features=d.permute_features)
+    b = sraven.sample_batch(seed, step, rows, split, split_seed=split_seed(self.config),
+                            frac_ood=d.frac_ood, permute_features=d.permute_features)
     return {"inputs": b["inputs_btv"], "targets": b["targets_bf"]}
 
   def train_iterator(self, shard, rows):
@@ -77,10 +88,10 @@ class Sraven:
   def example(self):
     return self.sample(self.config.seed, 0, 1, "train")
 
-  def eval_sets(self, shard, rows):
+  def eval_sets(self, shard, rows, final=False):
     # "test": fresh instances of the training tasks; "ood": the held-out tasks (the headline).
     return {split: eval_batches(lambda step, n, s=split: self.sample(self.config.seed, step, n, s),
-                                shard, rows, self.config.eval.batches)
+                                shard, rows, num_eval_batches(self.config, final))
             for split in ("test", "ood")}
 
   def loss(self, outputs, batch):
@@ -115,7 +126,8 @@ class FuzzyLogic:
   def sample(self, seed: int, step: int, rows: int, split: str) -> dict[str, np.ndarray]:
     d = self.config.data
     b = fuzzy_logic.sample_batch(seed, step, rows, split, num_vars=d.num_vars, num_terms=d.num_terms,
-                                 seq_len=d.seq_len, frac_test=d.frac_test, split_seed=d.split_seed,
+                                 seq_len=d.seq_len, frac_test=d.frac_test,
+                                 split_seed=split_seed(self.config),
                                  frac_unknown=d.frac_unknown)
     return {"inputs": b["inputs_btv"], "targets": b["targets_b"], "target_var": b["target_var_b"]}
 
@@ -125,12 +137,12 @@ class FuzzyLogic:
   def example(self):
     return self.sample(self.config.seed, 0, 1, "train")
 
-  def eval_sets(self, shard, rows):
+  def eval_sets(self, shard, rows, final=False):
     # The generator's "test" split (held-out combinations of known terms) is the compositional OOD
     # set; "train" here means fresh sequences of the training tasks (in distribution).
     names = {"test": "train", "ood": "test", "unknown": "unknown"}
     return {name: eval_batches(lambda step, n, s=split: self.sample(self.config.seed, step, n, s),
-                               shard, rows, self.config.eval.batches)
+                               shard, rows, num_eval_batches(self.config, final))
             for name, split in names.items()}
 
   def loss(self, outputs, batch):

@@ -120,9 +120,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                               flops.peak_flops(jax.devices()))
   preemption = Preemption()
 
-  def run_eval(step: int) -> dict:
+  def run_eval(step: int, sets=eval_sets) -> dict:
     results = {}
-    for name, batches in eval_sets.items():
+    for name, batches in sets.items():
       start = time.perf_counter()
       result = {**exp.evaluate(state.params, batches()), "tokens_seen": step * tokens_per_step}
       writer.write(step, f"eval/{name}", result)
@@ -179,7 +179,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       run_eval(step)
   if pending is not None:
     report(pending[0], check(*pending))
-  final = run_eval(steps)
+  final = run_eval(steps, exp.eval_sets(final=True))
   ckpt.wait()
   ckpt.close()
   main_set = next(iter(final.values()))
