@@ -3,6 +3,7 @@
   lm-launch local -- CMD ...
   lm-launch processes -n N [--port P] [--xla_devices K] -- CMD ...
   lm-launch tpu {create,install,run,logs,stop,delete,up} [--name ...] [--dry-run] [-- CMD ...]
+  lm-launch sky [--name ...] [--spot] [--dry-run] -- lm-train ... --workdir=gs://...
 """
 
 import argparse
@@ -11,7 +12,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 
-from launch import processes, tpu
+from launch import managed, processes, tpu
 
 _EXAMPLE = "lm-train --config=configs/tiny.py --workdir=/tmp/run"
 _TPU_ACTIONS = {
@@ -23,7 +24,7 @@ _TPU_ACTIONS = {
     "delete": "delete the slice (and its queued resource)",
     "up": "create + install + run",
 }
-_TAKES_COMMAND = {"local", "processes", "run", "up"}
+_TAKES_COMMAND = {"local", "processes", "run", "up", "sky"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,6 +63,27 @@ def _parser() -> argparse.ArgumentParser:
     actions.add_parser(action, parents=[slice_flags], help=help_text, description=help_text,
                        epilog=example if action in _TAKES_COMMAND else None)
   actions.choices["logs"].add_argument("--worker", default="0", help="worker index (default 0)")
+
+  job = managed.Job()
+  sky_parser = modes.add_parser(
+      "sky", help="a SkyPilot managed job: the slice recovers by itself from preemptions",
+      description=managed.__doc__.splitlines()[0] + " Needs the extra: pip install -e \".[sky]\".",
+      epilog="e.g. lm-launch sky --spot -- lm-train --config=configs/c4_50m.py "
+             "--workdir=gs://BUCKET/runs/c4_50m")
+  sky_parser.add_argument("--name", default=job.name, help="managed job name (default: %(default)s)")
+  sky_parser.add_argument("--accelerator-type", default=job.accelerator_type,
+                          help="TPU type (default: %(default)s, 4 workers x 4 chips)")
+  sky_parser.add_argument("--runtime-version", default=job.runtime_version,
+                          help="TPU software version (default: %(default)s)")
+  sky_parser.add_argument("--infra", default=job.infra,
+                          help="where the slice may run: gcp, gcp/REGION or gcp/REGION/ZONE "
+                               "(default: %(default)s, any region: the widest recovery)")
+  sky_parser.add_argument("--spot", action="store_true", help="Spot VMs: cheaper, preemptible")
+  sky_parser.add_argument("--max-restarts-on-errors", type=int, default=job.max_restarts_on_errors,
+                          help="restarts after the command fails, beside those after preemptions "
+                               "(default: %(default)s)")
+  sky_parser.add_argument("--dry-run", action="store_true",
+                          help="print the task file and the sky command, and run nothing")
   return parser
 
 
@@ -75,7 +97,7 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: Sequence[str] | None = None, runner: tpu.Runner | None = None) -> int:
-  """Entry point of lm-launch; runner stands in for subprocess in tests of the tpu mode."""
+  """Entry point of lm-launch; runner stands in for subprocess in tests of the tpu and sky modes."""
   own, cmd = _split(sys.argv[1:] if argv is None else argv)
   parser = _parser()
   args, unknown = parser.parse_known_args(own)
@@ -88,7 +110,7 @@ def main(argv: Sequence[str] | None = None, runner: tpu.Runner | None = None) ->
     parser.error(f"no command to run; put it after --, e.g. lm-launch {label} -- {_EXAMPLE}")
   if name not in _TAKES_COMMAND and cmd:
     parser.error(f"lm-launch {label} takes no command after --")
-  if args.mode != "tpu" and shutil.which(cmd[0]) is None:
+  if args.mode in ("local", "processes") and shutil.which(cmd[0]) is None:
     parser.error(f"command not found: {cmd[0]}")
 
   if args.mode == "local":
@@ -99,6 +121,8 @@ def main(argv: Sequence[str] | None = None, runner: tpu.Runner | None = None) ->
     if args.xla_devices is not None and args.xla_devices < 1:
       parser.error("--xla_devices must be at least 1")
     return processes.run(cmd, args.num_processes, args.port, args.xla_devices)
+  if args.mode == "sky":
+    return _sky(parser, args, cmd, runner)
 
   if not args.dry_run and runner is None and shutil.which("gcloud") is None:
     parser.error("gcloud not found on PATH; install the Google Cloud CLI "
@@ -116,6 +140,24 @@ def main(argv: Sequence[str] | None = None, runner: tpu.Runner | None = None) ->
       case "stop": tpu.stop(s, sh)
       case "delete": tpu.delete(s, sh)
       case "up": tpu.up(s, sh, cmd)
+  except tpu.LaunchError as e:
+    print(f"lm-launch: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
+def _sky(parser: argparse.ArgumentParser, args: argparse.Namespace, cmd: list[str],
+         runner: tpu.Runner | None) -> int:
+  if args.max_restarts_on_errors < 0:
+    parser.error("--max-restarts-on-errors must be at least 0")
+  if not args.dry_run and runner is None and shutil.which("sky") is None:
+    parser.error('sky not found on PATH; install the extra: pip install -e ".[sky]", then set up '
+                 "Google Cloud for it: sky check gcp")
+  job = managed.Job(name=args.name, accelerator_type=args.accelerator_type,
+                    runtime_version=args.runtime_version, infra=args.infra, spot=args.spot,
+                    max_restarts_on_errors=args.max_restarts_on_errors)
+  try:
+    managed.launch(job, tpu.Shell(dry_run=args.dry_run, runner=runner or tpu.run_subprocess), cmd)
   except tpu.LaunchError as e:
     print(f"lm-launch: {e}", file=sys.stderr)
     return 1

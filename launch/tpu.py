@@ -101,14 +101,24 @@ def ssh_command(s: Slice, script: str, worker: str = "all") -> list[str]:
   return _gcloud(s, "tpu-vm", "ssh", s.name, f"--worker={worker}", f"--command={script}")
 
 
+# Prefix of a command that runs the installed lm-train.
+VENV_PATH = f'PATH="$HOME/{_VENV}/bin:$PATH"'
+
+
+def install_steps() -> list[str]:
+  """Shell steps, run in the unpacked source, that pip-install it into a venv under ~."""
+  return [
+      f"python3 -m pip install --user -q {_UV}",
+      f"~/.local/bin/uv venv -q --allow-existing --python 3.11 ~/{_VENV}",
+      f"~/.local/bin/uv pip install -q --python ~/{_VENV}/bin/python -e '.[tpu]'",
+  ]
+
+
 def install_commands(s: Slice, archive: Path) -> list[list[str]]:
   """Ships HEAD of this checkout (committed files only) and installs it in a venv on every worker."""
   script = " && ".join([
       # Unpacked over the old copy, never wiped: a relative --workdir lives in this directory.
-      f"mkdir -p ~/{_SRC}", f"tar -xzf ~/{_ARCHIVE} -C ~/{_SRC}",
-      f"python3 -m pip install --user -q {_UV}",
-      f"~/.local/bin/uv venv -q --allow-existing --python 3.11 ~/{_VENV}",
-      f"cd ~/{_SRC}", f"~/.local/bin/uv pip install -q --python ~/{_VENV}/bin/python -e '.[tpu]'",
+      f"mkdir -p ~/{_SRC}", f"tar -xzf ~/{_ARCHIVE} -C ~/{_SRC}", f"cd ~/{_SRC}", *install_steps(),
   ])
   return [
       ["git", "-C", str(ROOT), "archive", "--format=tar.gz", f"--output={archive}", "HEAD"],
@@ -131,7 +141,7 @@ def run_script(cmd: Sequence[str]) -> str:
       'echo "training already runs here; stop it first: lm-launch tpu stop" >&2; exit 1; fi',
       f'cd ~/{_SRC} || {{ echo "not installed here; run: lm-launch tpu install" >&2; exit 1; }}',
       # setsid: its own process group, so `stop` reaches the data workers it forks too.
-      f'PATH="$HOME/{_VENV}/bin:$PATH" setsid nohup {train} >> ~/{_LOG} 2>&1 < /dev/null '
+      f"{VENV_PATH} setsid nohup {train} >> ~/{_LOG} 2>&1 < /dev/null "
       f"& echo $! > ~/{_PID}",
   ])
 

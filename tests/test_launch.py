@@ -65,11 +65,10 @@ def test_queued_create_and_delete_dry_run(capsys):
 
 def test_install_dry_run(capsys):
   archive = Path(tempfile.gettempdir()) / "lm-launch-lm-tpu.tar.gz"
-  script = ("mkdir -p ~/hyla-lm && tar -xzf ~/hyla-lm.tar.gz -C ~/hyla-lm"
+  script = ("mkdir -p ~/hyla-lm && tar -xzf ~/hyla-lm.tar.gz -C ~/hyla-lm && cd ~/hyla-lm"
             " && python3 -m pip install --user -q uv==0.13.8"
             " && ~/.local/bin/uv venv -q --allow-existing --python 3.11 ~/.venv-hyla-lm"
-            " && cd ~/hyla-lm && ~/.local/bin/uv pip install -q --python ~/.venv-hyla-lm/bin/python"
-            " -e '.[tpu]'")
+            " && ~/.local/bin/uv pip install -q --python ~/.venv-hyla-lm/bin/python -e '.[tpu]'")
   assert [shlex.split(line) for line in dry_run(capsys, "install")] == [
       ["git", "-C", str(ROOT), "archive", "--format=tar.gz", f"--output={archive}", "HEAD"],
       ["gcloud", "compute", "tpus", "tpu-vm", "scp", str(archive), "lm-tpu:hyla-lm.tar.gz",
