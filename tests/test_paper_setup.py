@@ -3,6 +3,7 @@ run.py, configs/raven.py, configs/logic.py): every hyperparameter pinned, the wi
 parses it, its schedule, its relative-position bucketing, its per-run held-out split, its eval sizes.
 A failure here means a config no longer reproduces what the paper ran: restore the value named."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,7 +130,7 @@ def test_per_layer_bias_tables():
                               attention="linear", attention_impl="reference")
   m = model_lib.Transformer(cfg)
   x = jax.random.normal(jax.random.key(0), (1, 6, 8))
-  params = m.init(jax.random.key(1), x)["params"]
+  params = nn.meta.unbox(m.init(jax.random.key(1), x)["params"])
   assert sorted(k for k in params if k.startswith("relative_bias")) == [
       "relative_bias_0", "relative_bias_1", "relative_bias_2"]
   assert params["relative_bias_0"].shape == (6, 2)
@@ -137,6 +138,6 @@ def test_per_layer_bias_tables():
   assert "relative_bias" in shared.init(jax.random.key(1), x)["params"]
   # Layer 1's table changes the output: each layer reads its own.
   bumped = {**params, "relative_bias_1": params["relative_bias_1"] + 1.0}
-  assert not np.allclose(m.apply({"params": params}, x)[0], m.apply({"params": bumped}, x)[0])
+  assert not np.allclose(m.apply({"params": params}, x), m.apply({"params": bumped}, x))
   with pytest.raises(ValueError, match="relative_max_distance"):
     model_lib.ModelConfig(V=8, positions="relative_bias", relative_buckets=36, relative_max_distance=20)
