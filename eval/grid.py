@@ -14,6 +14,7 @@ same command keeps finished points and resumes interrupted ones from their check
 import itertools
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -208,11 +209,17 @@ def write_manifest(root: epath.Path, config_file: str, overrides: list[str], axe
 
 
 def _run(module_and_args: list[str]) -> None:
-  """Runs `python -m module args` with this Python, its output shown as it comes."""
-  result = subprocess.run([sys.executable, "-m", *module_and_args])
-  if result.returncode:
-    raise SystemExit(f"lm-grid: `{' '.join(module_and_args)}` failed (exit {result.returncode}); fix "
-                     f"the cause and rerun the same command: finished points are kept, this one resumes")
+  """Runs `python -m module args` with this Python, its output shown as it comes. A SIGTERM to the
+  runner (a scheduler's stop) is passed on, so the run saves its checkpoint before both exit."""
+  child = subprocess.Popen([sys.executable, "-m", *module_and_args])
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+  try:
+    code = child.wait()
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  if code:
+    raise SystemExit(f"lm-grid: `{' '.join(module_and_args)}` failed (exit {code}); fix the cause "
+                     f"and rerun the same command: finished points are kept, this one resumes")
 
 
 def point_results(workdir: epath.Path, config: ml_collections.ConfigDict) -> dict:
@@ -235,6 +242,12 @@ def point_results(workdir: epath.Path, config: ml_collections.ConfigDict) -> dic
 def run_point(p: dict, workdir: epath.Path, config_file: str, latent_examples: int) -> None:
   config = p["config"]
   _run(["lm.train", f"--config={config_file}", f"--workdir={workdir}", *p["args"]])
+  checkpoints = checkpointing.Checkpointer(workdir, config.checkpoint)
+  reached = checkpoints.latest_step()
+  checkpoints.close()
+  if reached != config.train.steps:
+    raise SystemExit(f"lm-grid: {p['name']} stopped at step {reached} of {config.train.steps} (stopped "
+                     f"or preempted); rerun the same command to resume it from there")
   if config.task in COMPOSITIONAL:
     _run(["eval.latent", f"--workdir={workdir}", f"--examples={latent_examples}"])
   result = {k: p[k] for k in ("name", "preset", "seed", "values")}
