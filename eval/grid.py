@@ -239,7 +239,7 @@ def point_results(workdir: epath.Path, config: ml_collections.ConfigDict) -> dic
   return sets
 
 
-def run_point(p: dict, workdir: epath.Path, config_file: str, latent_examples: int) -> None:
+def run_point(p: dict, workdir: epath.Path, config_file: str, latent_args: list[str]) -> None:
   config = p["config"]
   _run(["lm.train", f"--config={config_file}", f"--workdir={workdir}", *p["args"]])
   checkpoints = checkpointing.Checkpointer(workdir, config.checkpoint)
@@ -249,7 +249,7 @@ def run_point(p: dict, workdir: epath.Path, config_file: str, latent_examples: i
     raise SystemExit(f"lm-grid: {p['name']} stopped at step {reached} of {config.train.steps} (stopped "
                      f"or preempted); rerun the same command to resume it from there")
   if config.task in COMPOSITIONAL:
-    _run(["eval.latent", f"--workdir={workdir}", f"--examples={latent_examples}"])
+    _run(["eval.latent", f"--workdir={workdir}", *latent_args])
   result = {k: p[k] for k in ("name", "preset", "seed", "values")}
   result.update(task=config.task, step=config.train.steps,
                 train_seconds=compare.wall_seconds(str(workdir)),
@@ -267,9 +267,10 @@ def done(workdir: epath.Path, steps: int) -> dict | None:
 
 
 def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list[str],
-         axes: dict[str, list[str]], root: str, latent_examples: int = 1024,
+         axes: dict[str, list[str]], root: str, latent_args: tuple[str, ...] = (),
          best_from: str | None = None) -> str:
-  """Trains every point not yet done, then writes the summary; returns its markdown."""
+  """Trains every point not yet done, then writes the summary; returns its markdown. latent_args:
+  lm-latent's flags for the compositional tasks."""
   chosen = None
   if best_from:
     if axes:
@@ -290,7 +291,7 @@ def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list
       eta = f"ETA {metrics.format_duration(trained_seconds / trained * left)}" if trained else "ETA after this point"
       print(f"grid: point {i} of {n}: {p['name']} ({left} to train, {eta})", flush=True)
       start = time.perf_counter()
-      run_point(p, workdir, config_file, latent_examples)
+      run_point(p, workdir, config_file, list(latent_args))
       trained_seconds += time.perf_counter() - start
       trained += 1
     else:
@@ -306,7 +307,9 @@ def main(argv):
   start = time.perf_counter()
   try:
     text = grid(config_flags.get_config_filename(FLAGS["config"]), normalize_overrides(sys.argv[1:]),
-                FLAGS.presets, FLAGS.seeds, parse_axes(FLAGS.grid), FLAGS.root, FLAGS.latent_examples,
+                FLAGS.presets, FLAGS.seeds, parse_axes(FLAGS.grid), FLAGS.root,
+                [f"--examples={FLAGS.latent_examples}"]
+                + ([f"--paper_examples={FLAGS.latent_paper_examples}"] if FLAGS.latent_paper_examples else []),
                 FLAGS.best_from)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"lm-grid: {e}") from e
@@ -326,7 +329,9 @@ def run():
   flags.DEFINE_string("best_from", None, "Root of a finished grid: each preset runs at the config "
                       "values that grid chose for it (its lowest mean loss), instead of --grid.")
   flags.DEFINE_integer("latent_examples", 1024, "Instances per split for the latent-code probe "
-                       "(compositional tasks).")
+                       "(compositional tasks; lm-latent --examples).")
+  flags.DEFINE_integer("latent_paper_examples", 0, "Instances per set of the paper code's latent "
+                       "protocol (lm-latent --paper_examples); 0: lm-latent's default.")
   # The names lm-sweep and lm-ablate used.
   flags.DEFINE_alias("attentions", "presets")
   flags.DEFINE_alias("workdir", "root")

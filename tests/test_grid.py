@@ -210,7 +210,7 @@ def test_lm_grid_space_overrides_resume_and_summary(small_corpus, tmp_path):
 
 def test_fuzzy_logic_grid_reports_ood_r2_and_latent_decoding(tmp_path):
   cmd = ["--config=configs/fuzzy_logic.py", f"--root={tmp_path}", "--presets=hyla", "--seeds=0",
-         "--latent_examples=32", "--config.model.D=16", "--config.model.qkv_dim=8", "--config.model.H=4",
+         "--latent_examples=32", "--latent_paper_examples=64", "--config.eval.final_batches=1", "--config.model.D=16", "--config.model.qkv_dim=8", "--config.model.H=4",
          "--config.model.F=32", "--config.model.attention_dropout=0.0", "--config.train.instances=240",
          "--config.train.batch_size", "8", "--config.train.warmup_steps=3", "--config.eval.batch_size=16",
          "--config.eval.batches=1", "--config.eval.every_steps=1000", "--config.checkpoint.every_steps=1000"]
@@ -219,6 +219,7 @@ def test_fuzzy_logic_grid_reports_ood_r2_and_latent_decoding(tmp_path):
   point = json.loads((tmp_path / "hyla_seed0" / "point.json").read_text())
   assert point["step"] == 30  # train.steps follows instances // batch_size from the command line
   assert set(point["results"]) == {"ood", "test", "latent"}
+  assert point["results"]["latent"]["paper_code"]["examples"] == 64  # lm-latent ran with our flags
   r2 = point["results"]["ood"]["r2"]
   assert f"| hyla | (config as given) | 0 | {r2:.4f} |" in (tmp_path / "summary.md").read_text()
 
