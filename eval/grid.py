@@ -5,7 +5,7 @@
 
 Every point trains with lm-train into ROOT/<preset>_seed<seed>[_<field>=<value>...]; its results
 (the trainer's final evaluation, and for the compositional tasks lm-latent's latent-code decoding)
-go to ROOT/<point>/point.json. Rerunning the
+go to ROOT/<point>/point.json, and the summary of every finished point is rewritten after each. Rerunning the
 same command keeps finished points and resumes interrupted ones from their checkpoints. The summary
 (eval/grid_summary.py) goes to ROOT/summary.md, summary.json and the plots beside them.
 `lm-sweep` and `lm-ablate` are this command too (their old flags --attentions and --workdir still work).
@@ -294,6 +294,8 @@ def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list
       run_point(p, workdir, config_file, list(latent_args))
       trained_seconds += time.perf_counter() - start
       trained += 1
+      # After every point: a grid stopped or still running has the summary of what finished.
+      grid_summary.write(root, config_file, list(axes))
     else:
       print(f"grid: point {i} of {n}: {p['name']} is done (step {finished['step']}); kept", flush=True)
   return grid_summary.write(root, config_file, list(axes))
