@@ -178,7 +178,7 @@ def plot_positions(runs: list[dict], out: str) -> bool:
       ax.fill_between(range(len(first)), y - se, y + se, color=line.get_color(), alpha=0.25, linewidth=0)
   ticks = [f"{a}-{b - 1}" if b - 1 > a else f"{a}" for a, b in zip(first, first[1:] + [2 * first[-1]])]
   ax.set_xticks(range(len(first)), ticks, rotation=30)
-  ax.set(xlabel="position in the context (tokens before the target)", ylabel="validation loss (nats)")
+  ax.set(xlabel="position of the input token in its document window", ylabel="validation loss (nats)")
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()

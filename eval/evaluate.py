@@ -2,7 +2,9 @@
 
 Restores the parameters sharded over the devices present (the saved config's Experiment says how),
 runs the task's deterministic evaluation pipeline, prints the metrics as JSON and writes them to
-DIR/eval/step_S.json.
+DIR/eval/step_S.json. For language models these include `loss_by_position`: the token-weighted loss
+(with its standard error and token count) of the targets at input positions 0, 1, 2-3, 4-7, ... of
+their document's context window.
 """
 
 import json

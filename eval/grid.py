@@ -1,11 +1,11 @@
 """The grid runner: attention presets x seeds x config values, one process and workdir per point.
 
 `lm-grid --config=FILE --root=DIR [--presets=softmax,linear,hyla] [--seeds=0,1]
- [--grid=train.lr=1e-3,3e-3,1e-2 ...] [--config.a.b=v | --config.a.b v ...]`
+ [--grid=train.lr=1e-3,3e-3,1e-2 ... | --best_from=OTHER_ROOT] [--config.a.b=v | --config.a.b v ...]`
 
 Every point trains with lm-train into ROOT/<preset>_seed<seed>[_<field>=<value>...]; its results
 (the trainer's final evaluation, and for the compositional tasks lm-latent's latent-code decoding)
-go to ROOT/<point>/point.json. Rerunning the
+go to ROOT/<point>/point.json, and the summary of every finished point is rewritten after each. Rerunning the
 same command keeps finished points and resumes interrupted ones from their checkpoints. The summary
 (eval/grid_summary.py) goes to ROOT/summary.md, summary.json and the plots beside them.
 `lm-sweep` and `lm-ablate` are this command too (their old flags --attentions and --workdir still work).
@@ -14,6 +14,7 @@ same command keeps finished points and resumes interrupted ones from their check
 import itertools
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -112,9 +113,24 @@ def point_name(preset: str, seed: int, values: dict[str, str]) -> str:
   return "_".join(parts)
 
 
+def best_values(root: str, presets: list[str]) -> dict[str, dict[str, str]]:
+  """The config values a finished grid's summary chose for each preset."""
+  path = epath.Path(root) / "summary.json"
+  if not path.exists():
+    raise GridError(f"--best_from={root} has no summary.json; run (or finish) that grid first")
+  best = json.loads(path.read_text())["best"]
+  missing = [p for p in presets if p not in best]
+  if missing:
+    raise GridError(f"--best_from={root} chose no values for {', '.join(missing)} (it ran "
+                    f"{', '.join(best)}); run those presets there first or drop them from --presets")
+  return {p: best[p]["values"] for p in presets}
+
+
 def plan(config_file: str, overrides: list[str], presets: list[str], seeds: list[str],
-         axes: dict[str, list[str]]) -> tuple[ml_collections.ConfigDict, list[dict]]:
-  """The grid's base config and its points, each with its lm-train arguments and parsed config.
+         axes: dict[str, list[str]], chosen: dict[str, dict[str, str]] | None = None,
+         ) -> tuple[ml_collections.ConfigDict, list[dict]]:
+  """The grid's base config and its points, each with its lm-train arguments and parsed config:
+  the product of presets, seeds and the axes' values, or (`chosen`) each preset at its own values.
   Every problem of the input is found here, before anything trains."""
   unknown = [p for p in presets if p not in attention.PRESETS]
   if not presets or unknown:
@@ -136,15 +152,18 @@ def plan(config_file: str, overrides: list[str], presets: list[str], seeds: list
   base = parse_config(config_file, overrides)
   if base.task not in grid_summary.METRICS:
     raise GridError(f"task {base.task!r} has no grid summary; lm-grid runs: {', '.join(grid_summary.METRICS)}")
+  # Presets innermost: the first points finished already compare the variants at one seed.
+  if chosen is None:
+    order = [(dict(zip(axes, combo)), seed, preset) for combo in itertools.product(*axes.values())
+             for seed in seeds for preset in presets]
+  else:
+    order = [(chosen[preset], seed, preset) for seed in seeds for preset in presets]
   points = []
-  for combo in itertools.product(*axes.values()):
-    values = dict(zip(axes, combo))
-    for seed in seeds:
-      for preset in presets:
-        args = [*overrides, f"--config.model.attention={preset}", f"--config.seed={seed}",
-                *(f"--config.{k}={v}" for k, v in values.items())]
-        points.append({"name": point_name(preset, seed, values), "preset": preset, "seed": seed,
-                       "values": values, "args": args, "config": parse_config(config_file, args)})
+  for values, seed, preset in order:
+    args = [*overrides, f"--config.model.attention={preset}", f"--config.seed={seed}",
+            *(f"--config.{k}={v}" for k, v in values.items())]
+    points.append({"name": point_name(preset, seed, values), "preset": preset, "seed": seed,
+                   "values": values, "args": args, "config": parse_config(config_file, args)})
   return base, points
 
 
@@ -190,11 +209,17 @@ def write_manifest(root: epath.Path, config_file: str, overrides: list[str], axe
 
 
 def _run(module_and_args: list[str]) -> None:
-  """Runs `python -m module args` with this Python, its output shown as it comes."""
-  result = subprocess.run([sys.executable, "-m", *module_and_args])
-  if result.returncode:
-    raise SystemExit(f"lm-grid: `{' '.join(module_and_args)}` failed (exit {result.returncode}); fix "
-                     f"the cause and rerun the same command: finished points are kept, this one resumes")
+  """Runs `python -m module args` with this Python, its output shown as it comes. A SIGTERM to the
+  runner (a scheduler's stop) is passed on, so the run saves its checkpoint before both exit."""
+  child = subprocess.Popen([sys.executable, "-m", *module_and_args])
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+  try:
+    code = child.wait()
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  if code:
+    raise SystemExit(f"lm-grid: `{' '.join(module_and_args)}` failed (exit {code}); fix the cause "
+                     f"and rerun the same command: finished points are kept, this one resumes")
 
 
 def point_results(workdir: epath.Path, config: ml_collections.ConfigDict) -> dict:
@@ -214,11 +239,17 @@ def point_results(workdir: epath.Path, config: ml_collections.ConfigDict) -> dic
   return sets
 
 
-def run_point(p: dict, workdir: epath.Path, config_file: str, latent_examples: int) -> None:
+def run_point(p: dict, workdir: epath.Path, config_file: str, latent_args: list[str]) -> None:
   config = p["config"]
   _run(["lm.train", f"--config={config_file}", f"--workdir={workdir}", *p["args"]])
+  checkpoints = checkpointing.Checkpointer(workdir, config.checkpoint)
+  reached = checkpoints.latest_step()
+  checkpoints.close()
+  if reached != config.train.steps:
+    raise SystemExit(f"lm-grid: {p['name']} stopped at step {reached} of {config.train.steps} (stopped "
+                     f"or preempted); rerun the same command to resume it from there")
   if config.task in COMPOSITIONAL:
-    _run(["eval.latent", f"--workdir={workdir}", f"--examples={latent_examples}"])
+    _run(["eval.latent", f"--workdir={workdir}", *latent_args])
   result = {k: p[k] for k in ("name", "preset", "seed", "values")}
   result.update(task=config.task, step=config.train.steps,
                 train_seconds=compare.wall_seconds(str(workdir)),
@@ -236,10 +267,19 @@ def done(workdir: epath.Path, steps: int) -> dict | None:
 
 
 def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list[str],
-         axes: dict[str, list[str]], root: str, latent_examples: int = 1024) -> str:
-  """Trains every point not yet done, then writes the summary; returns its markdown."""
+         axes: dict[str, list[str]], root: str, latent_args: tuple[str, ...] = (),
+         best_from: str | None = None) -> str:
+  """Trains every point not yet done, then writes the summary; returns its markdown. latent_args:
+  lm-latent's flags for the compositional tasks."""
+  chosen = None
+  if best_from:
+    if axes:
+      raise GridError("give either --grid (the values to try) or --best_from (the values another grid "
+                      "chose), not both")
+    chosen = best_values(best_from, presets)
+    axes = {k: sorted({v[k] for v in chosen.values()}) for k in next(iter(chosen.values()))}
   root = epath.Path(root)
-  base, points = plan(config_file, overrides, presets, seeds, axes)
+  base, points = plan(config_file, overrides, presets, seeds, axes, chosen)
   check_root(root, base, list(axes), points)
   write_manifest(root, config_file, overrides, list(axes), base)
   n, trained_seconds, trained = len(points), 0.0, 0
@@ -251,9 +291,11 @@ def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list
       eta = f"ETA {metrics.format_duration(trained_seconds / trained * left)}" if trained else "ETA after this point"
       print(f"grid: point {i} of {n}: {p['name']} ({left} to train, {eta})", flush=True)
       start = time.perf_counter()
-      run_point(p, workdir, config_file, latent_examples)
+      run_point(p, workdir, config_file, list(latent_args))
       trained_seconds += time.perf_counter() - start
       trained += 1
+      # After every point: a grid stopped or still running has the summary of what finished.
+      grid_summary.write(root, config_file, list(axes))
     else:
       print(f"grid: point {i} of {n}: {p['name']} is done (step {finished['step']}); kept", flush=True)
   return grid_summary.write(root, config_file, list(axes))
@@ -267,7 +309,10 @@ def main(argv):
   start = time.perf_counter()
   try:
     text = grid(config_flags.get_config_filename(FLAGS["config"]), normalize_overrides(sys.argv[1:]),
-                FLAGS.presets, FLAGS.seeds, parse_axes(FLAGS.grid), FLAGS.root, FLAGS.latent_examples)
+                FLAGS.presets, FLAGS.seeds, parse_axes(FLAGS.grid), FLAGS.root,
+                [f"--examples={FLAGS.latent_examples}"]
+                + ([f"--paper_examples={FLAGS.latent_paper_examples}"] if FLAGS.latent_paper_examples else []),
+                FLAGS.best_from)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"lm-grid: {e}") from e
   print(text, end="")
@@ -283,8 +328,12 @@ def run():
   flags.DEFINE_list("seeds", ["0"], "Seeds; a seed fixes the initialisation and the data order.")
   flags.DEFINE_multi_string("grid", [], "FIELD=V1,V2,...: an axis of config values, e.g. "
                             "train.lr=1e-3,3e-3,1e-2; repeat the flag for more axes.")
+  flags.DEFINE_string("best_from", None, "Root of a finished grid: each preset runs at the config "
+                      "values that grid chose for it (its lowest mean loss), instead of --grid.")
   flags.DEFINE_integer("latent_examples", 1024, "Instances per split for the latent-code probe "
-                       "(compositional tasks).")
+                       "(compositional tasks; lm-latent --examples).")
+  flags.DEFINE_integer("latent_paper_examples", 0, "Instances per set of the paper code's latent "
+                       "protocol (lm-latent --paper_examples); 0: lm-latent's default.")
   # The names lm-sweep and lm-ablate used.
   flags.DEFINE_alias("attentions", "presets")
   flags.DEFINE_alias("workdir", "root")

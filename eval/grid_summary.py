@@ -11,7 +11,7 @@ import matplotlib
 from etils import epath
 
 from eval import compare
-from lm import stats
+from lm import attention, stats
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
@@ -44,8 +44,23 @@ def _value(point: dict, where: str, key: str) -> float:
   return point["results"][where][key]
 
 
-def _cell(mean: float, se: float | None, digits: int = 4) -> str:
+def _cell(mean: float, se: float | None, label: str) -> str:
+  digits = 2 if "perplexity" in label else 4
   return f"{mean:.{digits}f}" + ("" if se is None else f" ± {se:.{digits}f}")
+
+
+def _order(preset: str, values: dict[str, str]) -> tuple:
+  """Presets in lm.attention's order, then values by number where they are numbers."""
+  number = lambda v: (0, float(v), "") if _is_number(v) else (1, 0.0, v)
+  return (list(attention.PRESETS).index(preset), [number(v) for v in values.values()])
+
+
+def _is_number(text: str) -> bool:
+  try:
+    float(text)
+  except ValueError:
+    return False
+  return True
 
 
 def group(points: list[dict], task: str) -> list[dict]:
@@ -62,7 +77,7 @@ def group(points: list[dict], task: str) -> list[dict]:
     for label, where, key in METRICS[task]:
       row[label] = stats.mean_stderr([_value(p, where, key) for p in mine])
     out.append(row)
-  return out
+  return sorted(out, key=lambda r: _order(r["preset"], r["values"]))
 
 
 def best(rows: list[dict]) -> dict[str, dict]:
@@ -112,13 +127,13 @@ def markdown(task: str, config_file: str, axes: list[str], rows: list[dict], cho
            "|---|---|---|" + "---|" * len(labels)]
   for r in rows:
     lines.append(f"| {r['preset']} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | "
-                 + " | ".join(_cell(*r[l]) for l in labels) + " |")
+                 + " | ".join(_cell(*r[l], l) for l in labels) + " |")
   lines += ["", f"## Each variant at its best {', '.join(axes) or 'config'}", "",
             "| attention | best | seeds | " + " | ".join(labels) + " |",
             "|---|---|---|" + "---|" * len(labels)]
   for preset, r in chosen.items():
     lines.append(f"| {preset} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | "
-                 + " | ".join(_cell(*r[l]) for l in labels) + " |")
+                 + " | ".join(_cell(*r[l], l) for l in labels) + " |")
   if pairs:
     lines += ["", "## Paired differences (A − B, same seeds, each at its best value)", "",
               "| A − B | seeds | " + " | ".join(f"Δ {l}" for l in labels)
@@ -126,7 +141,7 @@ def markdown(task: str, config_file: str, axes: list[str], rows: list[dict], cho
               "|---|---|" + "---|" * (len(labels) + 1)]
     for p in pairs:
       lines.append(f"| {p['a']} − {p['b']} | {', '.join(map(str, p['seeds']))} | "
-                   + " | ".join(_cell(*p[l]) for l in labels) + f" | {_resolved(*p[labels[0]])} |")
+                   + " | ".join(_cell(*p[l], l) for l in labels) + f" | {_resolved(*p[labels[0]])} |")
   lines += [""] + [f"![{name}]({name})" for name in plots]
   return "\n".join(lines) + "\n"
 

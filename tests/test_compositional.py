@@ -1,6 +1,6 @@
 """SRAVEN and fuzzy-logic tasks in the trainer: losses and metrics by hand, batches, the configs with
-every attention preset (single-head too), and tiny end-to-end runs with the latent-code probe and the
-ablation table."""
+every attention preset (single-head too), and tiny end-to-end runs with the latent-code probe (the
+ablation grid: tests/test_grid.py)."""
 
 import json
 import math
@@ -13,7 +13,7 @@ import pytest
 
 from configs import fuzzy_logic as fuzzy_config, sraven as sraven_config
 from data_pipelines import pipeline, sraven
-from eval import ablate, latent
+from eval import latent
 from lm import tasks, tasks_compositional as tc, train
 from lm.experiment import Experiment
 
@@ -109,23 +109,6 @@ def test_sraven_end_to_end_with_latent_codes(tmp_path):
   assert result["paper_code"]["examples_per_split"] == 96
   assert json.loads((tmp_path / "latent.json").read_text()) == result
   assert (tmp_path / "latent_embedding.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_fuzzy_ablation_grid_writes_table_and_plot(tmp_path, monkeypatch):
-  monkeypatch.setitem(latent.PAPER_EXAMPLES, "fuzzy_logic", 64)  # the paper code's probe, smaller
-  table = ablate.ablate(tiny(fuzzy_config), str(tmp_path), ["softmax", "hyla"], [0], latent_examples=32)
-  assert list(table) == ["softmax", "hyla"] and table["hyla"]["seeds"] == [0]
-  runs = json.loads((tmp_path / "results.json").read_text())["runs"]
-  assert table["hyla"]["ood"] == (runs[1]["ood"], 0.0)  # one seed: no spread
-  assert runs[1]["latent"]["paper_code"]["examples"] == 64
-  assert runs[1]["latent"]["paper_code"]["term_bits_r2"] <= 1
-  md = (tmp_path / "results.md").read_text()
-  assert "| hyla | 0 | " in md and "OOD R²" in md
-  assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_mean_stderr():
-  assert ablate.mean_stderr([1.0, 3.0]) == pytest.approx((2.0, math.sqrt(2) / math.sqrt(2)))
 
 
 def test_lm_latent_on_a_language_model_run_is_a_clear_error(tmp_path):

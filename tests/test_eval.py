@@ -1,29 +1,19 @@
-"""lm-eval against a hand-computed loss, lm-compare on uneven and unevaluated runs, lm-sweep end to end."""
+"""lm-eval against a hand-computed loss (overall and by position in the context), lm-compare on uneven,
+resumed, multi-seed and unevaluated runs."""
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from configs import tiny
 from data_pipelines import pipeline, sources
 from eval import compare, evaluate
-from lm import checkpointing, metrics, model as model_lib, train
+from lm import checkpointing, flops, metrics, model as model_lib, train
 from lm.experiment import Experiment
 from small import small_config
-
-SWEEP_CONFIG = """
-from small import small_config
-
-
-def get_config():
-  c = small_config({corpus!r})
-  c.train.update(steps=4, log_every_steps=2)
-  c.eval.every_steps = 2
-  return c
-"""
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +27,13 @@ def trained(small_corpus, tmp_path_factory):
   return workdir
 
 
-def hand_nll(workdir) -> tuple[float, int, int]:
-  """(Σ nll over weighted targets, their count, padded positions seen) with the model's own apply
-  over the eval batches, summed in numpy."""
+def hand_nll(workdir) -> tuple[float, int, int, dict[int, list[float]]]:
+  """(Σ nll over weighted targets, their count, padded positions seen, nlls by position bucket)
+  with the model's own apply over the eval batches, summed in numpy."""
   config, params = checkpointing.load(str(workdir))
   model = model_lib.Transformer(model_lib.ModelConfig.from_dict(config.model.to_dict()))
   data = sources.resolve(config.data, config.model.V)
-  total, count, padded = 0.0, 0, 0
+  total, count, padded, by_bucket = 0.0, 0, 0, {}
   for b in pipeline.eval_dataset(data.validation, data.tokenizer, seq_len=config.data.seq_len,
                                  batch_size=config.eval.batch_size,
                                  packing_bins=config.data.packing_bins):
@@ -57,18 +47,28 @@ def hand_nll(workdir) -> tuple[float, int, int]:
     total += nll_bt[keep_bt].sum()
     count += int(keep_bt.sum())
     padded += int((~keep_bt).sum())
-  return total, count, padded
+    for position, nll in zip(b["positions"][keep_bt], nll_bt[keep_bt]):
+      by_bucket.setdefault(int(position).bit_length(), []).append(nll)  # 0 | 1 | 2-3 | 4-7 | ...
+  return total, count, padded, by_bucket
 
 
 def test_eval_matches_a_hand_computed_token_weighted_loss(trained):
   result = evaluate.evaluate(str(trained))
-  total, count, padded = hand_nll(trained)
+  total, count, padded, by_bucket = hand_nll(trained)
   assert padded > 0, "the eval set should end in a padded batch, or this test checks no padding"
   assert result["step"] == 6 and result["tokens"] == count
   assert result["loss"] == pytest.approx(total / count, rel=1e-5)
   assert result["perplexity"] == pytest.approx(np.exp(total / count), rel=1e-5)
   assert result["attention"] == "softmax" and result["num_params"] > 0
   assert result["tokens_seen"] == 6 * 8 * 32
+  positions = result["loss_by_position"]
+  assert positions["first_position"] == [0, 1, 2, 4, 8, 16]  # seq_len 32
+  assert positions["tokens"] == [len(by_bucket.get(k, [])) for k in range(6)]
+  assert positions["loss"] == pytest.approx([np.mean(by_bucket[k]) for k in range(6)], rel=1e-5)
+  assert positions["stderr"] == pytest.approx(
+      [np.std(by_bucket[k], ddof=1) / np.sqrt(len(by_bucket[k])) for k in range(6)], rel=1e-4)
+  assert result["loss_stderr"] == pytest.approx(
+      np.std(np.concatenate(list(by_bucket.values())), ddof=1) / np.sqrt(count), rel=1e-4)
   assert json.loads((trained / "eval" / "step_6.json").read_text()) == result
   # The trainer's own final evaluation of the same checkpoint agrees.
   logged = [json.loads(l) for l in (trained / "metrics.jsonl").read_text().splitlines()]
@@ -116,14 +116,53 @@ def test_compare_runs_of_different_lengths(tmp_path):
   out = tmp_path / "cmp.png"
   text = compare.compare([str(tmp_path / "a"), str(tmp_path / "b")], str(out), str(tmp_path / "t.md"))
   rows = text.splitlines()
-  assert rows[0].startswith("| run | attention | parameters | tokens seen | validation loss")
-  # A step logged again after a resume counts once, with its later value.
-  assert rows[2] == "| a | softmax | 1,234 | 3,000 | 0.0000 | 1.00 | 0.100 | 1,000 |"
-  assert rows[3] == f"| b | hyla | 1,234 | 1,000 | {np.log(50.0):.4f} | 50.00 | 0.500 | 500 |"
+  assert rows[0].startswith("| run | attention | parameters | tokens seen | training FLOPs | wall-clock")
+  # A step logged again after a resume counts once, with its later value. No config.json: no FLOPs.
+  assert rows[2] == "| a | softmax | 1,234 | 3,000 | n/a | 0 s | 0.0000 | 1.00 | 0.100 | 1,000 |"
+  assert rows[3] == f"| b | hyla | 1,234 | 1,000 | n/a | 0 s | {np.log(50.0):.4f} | 50.00 | 0.500 | 500 |"
   assert (tmp_path / "t.md").read_text() == text
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   runs = [compare.read_run(str(tmp_path / d)) for d in "ab"]
   assert [len(r["evals"]) for r in runs] == [3, 1]
+
+
+def test_compare_flops_wall_clock_and_seed_bands(tmp_path):
+  """Two seeds per variant: one curve each with a band; FLOPs from each variant's own count; wall
+  clock summed over a resume, without the time the run was down."""
+  workdirs = []
+  for attention in ("softmax", "hyla"):
+    for seed in (0, 1):
+      c = tiny.get_config()
+      c.model.attention, c.seed = attention, seed
+      evaluation = lambda step, t, ppl: {
+          "step": step, "kind": "eval/validation", "time": t, "loss": float(np.log(ppl)), "perplexity": ppl,
+          "tokens_seen": 4096 * step, "loss_by_position": {"first_position": [0, 1], "loss": [5.0, 4.0 + seed]}}
+      start = lambda t: {"step": 0, "kind": "run", "time": t, "attention": attention, "num_params": 918_784,
+                         "tokens_per_step": 4096}
+      workdir = tmp_path / f"{attention}{seed}"
+      workdir.mkdir()
+      (workdir / "config.json").write_text(c.to_json())
+      records = [start(100.0), evaluation(10, 110.0, 50.0 + seed), start(1000.0), evaluation(20, 1030.0, 40.0 + 2 * seed)]
+      (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+      workdirs.append(str(workdir))
+  out = tmp_path / "cmp.png"
+  text = compare.compare(workdirs, str(out))
+  runs = [compare.read_run(w) for w in workdirs]
+  per_token = {a: flops.flops_per_token(model_lib.ModelConfig.from_dict({**tiny.get_config().model.to_dict(),
+                                                                         "attention": a}), 918_784, 128)
+               for a in ("softmax", "hyla")}
+  assert per_token["hyla"] > per_token["softmax"]
+  assert [r["flops_per_token"] for r in runs] == [per_token["softmax"]] * 2 + [per_token["hyla"]] * 2
+  assert f"| softmax0 | softmax | 918,784 | 81,920 | {per_token['softmax'] * 81_920:.3g} | 40 s |" in text
+  groups = compare.seed_groups(runs)
+  assert {k: [r["run"] for r in v] for k, v in groups.items()} == {"softmax": ["softmax0", "softmax1"],
+                                                                   "hyla": ["hyla0", "hyla1"]}
+  for (name, x_of), want_x in zip(compare.AXES, ([40_960, 81_920], [40_960 * per_token["hyla"], 81_920 * per_token["hyla"]],
+                                                 [10.0, 40.0])):
+    x, y, se = compare._band(groups["hyla"], x_of, lambda e: e["perplexity"])
+    assert x == pytest.approx(want_x), name
+    assert y == pytest.approx([50.5, 41.0]) and se == pytest.approx([0.5, 1.0])
+  assert out.read_bytes()[:4] == b"\x89PNG" and compare.positions_path(str(out)).exists()
 
 
 def test_compare_names_a_run_without_evaluation(tmp_path):
@@ -138,29 +177,3 @@ def test_compare_names_a_run_without_evaluation(tmp_path):
           f"eval (eval.every_steps) or run `lm-eval --workdir={tmp_path / 'fresh'}`") in result.stderr
   assert f"{tmp_path / 'missing'} has no metrics.jsonl" in result.stderr
   assert not (tmp_path / "x.png").exists()
-
-
-def test_tiny_sweep_end_to_end_and_resumed(small_corpus, tmp_path):
-  config = tmp_path / "sweep_config.py"
-  config.write_text(SWEEP_CONFIG.format(corpus=str(small_corpus)))
-  root = tmp_path / "sweep"
-  cmd = [sys.executable, "-m", "eval.sweep", f"--config={config}", "--attentions=softmax,hyla",
-         f"--root={root}", "--config.model.D=48"]
-  env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}  # the config imports tests/small.py
-  first = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-  assert first.returncode == 0, first.stderr[-3000:]
-  for name in ("softmax", "hyla"):
-    result = json.loads((root / name / "eval" / "step_4.json").read_text())
-    assert result["attention"] == name and np.isfinite(result["perplexity"])
-    assert json.loads((root / name / "config.json").read_text())["model"]["D"] == 48
-  configs = [json.loads((root / n / "config.json").read_text()) for n in ("softmax", "hyla")]
-  assert [c["model"].pop("attention") for c in configs] == ["softmax", "hyla"]
-  assert configs[0] == configs[1], "same seed, data order and schedule: only the attention differs"
-  table = (root / "compare.md").read_text()
-  assert "| softmax | softmax |" in table and "| hyla | hyla |" in table
-  assert (root / "compare.png").exists()
-  log_before = (root / "hyla" / "metrics.jsonl").read_text()
-  again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert "sweep: hyla is done (step 4 evaluated); not retraining" in again.stdout
-  assert (root / "hyla" / "metrics.jsonl").read_text() == log_before

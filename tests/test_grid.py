@@ -1,0 +1,225 @@
+"""lm-grid: overrides reach every run exactly, bad input stops before training, the summary's
+statistics on hand-made points, the mean / standard-error helper, and end-to-end runs (LM and
+fuzzy logic) that resume."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from configs import tiny
+from eval import grid, grid_summary
+from lm import metrics, stats
+
+TINY = "configs/tiny.py"
+HERE = os.path.dirname(__file__)
+
+
+# --- lm/stats.py ---------------------------------------------------------------------------------
+
+def test_moments_merge_matches_numpy_where_sums_of_squares_cancel():
+  x = 1e8 + np.random.default_rng(0).normal(size=1000)  # mean far larger than the spread
+  parts = [stats.Moments.of(p) for p in np.split(x, [7, 300, 301])]
+  merged = stats.merge_all(parts)
+  assert merged.count == 1000 and merged.mean == pytest.approx(x.mean(), rel=1e-12)
+  assert merged.m2 / 999 == pytest.approx(x.var(ddof=1), rel=1e-6)
+  assert merged.stderr == pytest.approx(x.std(ddof=1) / np.sqrt(1000), rel=1e-6)
+  naive = stats.Moments.from_sums(x.sum(), (x ** 2).sum(), 1000.0)
+  assert abs(naive.m2 / 999 / x.var(ddof=1) - 1) > 0.01, "this data should defeat Σx² - n·mean²"
+
+
+def test_weighted_moments_on_device_equal_the_kept_values():
+  x_bt = np.random.default_rng(1).normal(size=(3, 5)).astype(np.float32)
+  w_bt = (np.arange(15).reshape(3, 5) % 3 > 0).astype(np.float32)
+  on_device = jax.jit(lambda x, w: stats.Moments.of(x, w, xp=jnp))(x_bt, w_bt)
+  kept = x_bt[w_bt > 0].astype(np.float64)
+  assert float(on_device.count) == len(kept)
+  assert float(on_device.mean) == pytest.approx(kept.mean(), rel=1e-5)
+  assert float(on_device.m2) == pytest.approx(((kept - kept.mean()) ** 2).sum(), rel=1e-4)
+
+
+def test_mean_stderr_over_seeds():
+  assert stats.mean_stderr([1.0, 3.0]) == pytest.approx((2.0, 1.0))
+  assert stats.mean_stderr([5.0]) == (5.0, None)
+
+
+# --- overrides and bad input ---------------------------------------------------------------------
+
+def test_space_and_equals_overrides_give_the_same_runs():
+  argv = ["--config=" + TINY, "--config.model.D", "48", "--config.data.dir", "/some/dir",
+          "--config.model.remat", "--config.train.lr=1e-2"]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=fv, sys_argv=["x", *argv])
+  fv(["x", *argv])
+  overrides = grid.normalize_overrides(argv, fv)
+  assert overrides == ["--config.model.D=48", "--config.data.dir=/some/dir", "--config.model.remat",
+                       "--config.train.lr=1e-2"]
+  _, points = grid.plan(TINY, overrides, ["softmax", "linear"], ["0"], {})
+  for p in points:
+    c = p["config"]
+    assert (c.model.attention, c.model.D, c.data.dir, c.model.remat, c.train.lr) == (
+        p["preset"], 48, "/some/dir", True, 1e-2)
+  assert points[1]["args"][-2:] == ["--config.model.attention=linear", "--config.seed=0"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(presets=["hyla2"]), "unknown attention preset 'hyla2'; choose from: softmax, linear, hyla"),
+    (dict(presets=[]), "unknown attention preset (none given)"),
+    (dict(seeds=["a"]), "seeds are integers"),
+    (dict(axes={"train.lrr": ["1e-3"]}), "has no field train.lrr (did you mean lr?)"),
+    (dict(overrides=["--config.model.DD=3"]), "has no field model.DD"),
+    (dict(axes={"train.lr": ["fast"]}), "flag --config.train.lr=fast: could not convert string to float"),
+    (dict(axes={"train.steps": ["1.5"]}), "--config.train.steps=1.5"),
+    (dict(overrides=["--config.model.attention=hyla"]), "give its values with --presets only"),
+    (dict(config_file="configs/nope.py"), "no config file configs/nope.py"),
+])
+def test_bad_input_stops_before_training(tmp_path, kwargs, message):
+  args = dict(config_file=TINY, overrides=[], presets=["softmax"], seeds=["0"], axes={},
+              root=str(tmp_path / "root"))
+  with pytest.raises(grid.GridError) as e:
+    grid.grid(**{**args, **kwargs})
+  assert message in str(e.value)
+  assert not (tmp_path / "root").exists(), "nothing may be created before the input is checked"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("train.lr=", "is not FIELD=V1,V2,..."), ("train.lr", "is not FIELD=V1,V2,..."),
+    ("seed=1,2", "give seed values with --seeds"), ("train.lr=1,1", "repeats a value")])
+def test_bad_grid_flags(spec, message):
+  with pytest.raises(grid.GridError) as e:
+    grid.parse_axes([spec])
+  assert message in str(e.value)
+
+
+def test_a_root_of_another_grid_is_refused(tmp_path):
+  base, _ = grid.plan(TINY, ["--config.model.D=64"], ["softmax"], ["0"], {"train.lr": ["1e-3"]})
+  grid.write_manifest(tmp_path, TINY, ["--config.model.D=64"], ["train.lr"], base)
+  args = dict(config_file=TINY, presets=["softmax"], seeds=["0"], root=str(tmp_path))
+  with pytest.raises(grid.GridError) as e:
+    grid.grid(overrides=[], axes={"train.lr": ["1e-3"]}, **args)
+  assert "holds another grid's runs" in str(e.value) and "model.D: 64 there, 128 here" in str(e.value)
+  with pytest.raises(grid.GridError) as e:
+    grid.grid(overrides=["--config.model.D=64"], axes={"train.warmup_steps": ["5"]}, **args)
+  assert "holds a grid over train.lr" in str(e.value)
+  (tmp_path / "other").mkdir()
+  (tmp_path / "grid.json").unlink()
+  with pytest.raises(grid.GridError) as e:
+    grid.grid(overrides=[], axes={}, **args)
+  assert "has no grid.json: it is not a grid's root" in str(e.value)
+
+
+# --- the summary on hand-made points -------------------------------------------------------------
+
+def fake_point(root, preset, seed, lr, loss, steps=10):
+  """A finished point as lm-grid leaves it: config.json, metrics.jsonl and point.json."""
+  name = grid.point_name(preset, seed, {"train.lr": lr})
+  workdir = root / name
+  c = tiny.get_config()
+  c.model.attention, c.seed, c.train.lr, c.train.steps = preset, seed, float(lr), steps
+  workdir.mkdir(parents=True)
+  (workdir / "config.json").write_text(c.to_json())
+  writer = metrics.Writer(str(workdir))
+  writer.write(0, "run", {"attention": preset, "num_params": 1000, "tokens_per_step": 32 * 128})
+  final = {"loss": loss, "perplexity": float(np.exp(loss)), "bits_per_byte": loss / 2,
+           "tokens": 100, "tokens_seen": steps * 32 * 128,
+           "loss_by_position": {"first_position": [0, 1, 2], "loss": [loss + 1, loss, loss - 1],
+                                "stderr": [0.1] * 3, "tokens": [10, 10, 20]}}
+  writer.write(steps, "eval/validation", final)
+  (workdir / "point.json").write_text(json.dumps(
+      {"name": name, "preset": preset, "seed": seed, "values": {"train.lr": lr}, "task": "lm",
+       "step": steps, "train_seconds": 1.0, "results": {"validation": final}}))
+
+
+def test_summary_picks_each_variants_lr_and_pairs_seeds(tmp_path):
+  losses = {("softmax", "1e-3"): [5.0, 5.2], ("softmax", "1e-2"): [4.0, 4.4],
+            ("hyla", "1e-3"): [4.6, 4.7], ("hyla", "1e-2"): [4.9, 5.1]}
+  for (preset, lr), per_seed in losses.items():
+    for seed, loss in enumerate(per_seed):
+      fake_point(tmp_path, preset, seed, lr, loss)
+  text = grid_summary.write(tmp_path, TINY, ["train.lr"])
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert {p: r["values"]["train.lr"] for p, r in summary["best"].items()} == {"softmax": "1e-2", "hyla": "1e-3"}
+  assert summary["best"]["softmax"]["validation loss"] == pytest.approx([4.2, 0.2])
+  (pair,) = summary["paired"]
+  # softmax − hyla per seed: 4.0 − 4.6 = −0.6 and 4.4 − 4.7 = −0.3: mean −0.45, s.e. 0.15.
+  assert (pair["a"], pair["b"], pair["seeds"]) == ("softmax", "hyla", [0, 1])
+  assert pair["validation loss"] == pytest.approx([-0.45, 0.15])
+  assert "| softmax − hyla | 0, 1 | -0.4500 ± 0.1500 |" in text and text.rstrip().endswith("curves_positions.png)")
+  assert "| softmax | train.lr=1e-2 | 0, 1 | 4.2000 ± 0.2000 |" in text
+  for plot in ("sensitivity_train.lr.png", "curves.png", "curves_positions.png"):
+    assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
+
+
+# --- end to end, in processes ---------------------------------------------------------------------
+
+SMALL = """
+from small import small_config
+
+
+def get_config():
+  c = small_config({corpus!r})
+  c.train.update(steps=4, log_every_steps=2)
+  c.eval.every_steps = 2
+  c.checkpoint.every_steps = 2
+  return c
+"""
+
+
+def run(cmd, **kw):
+  env = {**os.environ, "PYTHONPATH": HERE}  # configs written here import tests/small.py
+  return subprocess.run([sys.executable, "-m", "eval.grid", *cmd], capture_output=True, text=True,
+                        env=env, timeout=600, **kw)
+
+
+def test_lm_grid_space_overrides_resume_and_summary(small_corpus, tmp_path):
+  """Issue 19 item 3: with `--config.model.D 48` the 'linear' run trained softmax. Old flag names
+  (--attentions, --workdir) still work."""
+  config = tmp_path / "config.py"
+  config.write_text(SMALL.format(corpus=str(small_corpus)))
+  root = tmp_path / "grid"
+  cmd = [f"--config={config}", "--attentions=softmax,linear", f"--workdir={root}", "--config.model.D",
+         "48", "--config.train.warmup_steps", "3"]
+  first = run(cmd)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert "grid: point 2 of 2: linear_seed0" in first.stdout
+  configs = {n: json.loads((root / f"{n}_seed0" / "config.json").read_text()) for n in ("softmax", "linear")}
+  for name, c in configs.items():
+    assert (c["model"]["attention"], c["model"]["D"], c["train"]["warmup_steps"]) == (name, 48, 3)
+    assert json.loads((root / f"{name}_seed0" / "point.json").read_text())["results"]["validation"]["step"] == 4
+  assert [c["model"].pop("attention") for c in configs.values()] == ["softmax", "linear"]
+  assert configs["softmax"] == configs["linear"], "only the attention differs: same seed, same data order"
+  summary = (root / "summary.md").read_text()
+  assert "| softmax − linear | 0 |" in summary and (root / "curves.png").exists()
+  # Rerun: the finished point is kept; the one whose results are gone resumes from its checkpoint.
+  log = (root / "softmax_seed0" / "metrics.jsonl").read_text()
+  (root / "linear_seed0" / "point.json").unlink()
+  again = run(cmd)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "point 1 of 2: softmax_seed0 is done (step 4); kept" in again.stdout
+  assert "resumed from the checkpoint at step 4" in again.stdout
+  assert (root / "softmax_seed0" / "metrics.jsonl").read_text() == log
+  assert (root / "linear_seed0" / "point.json").exists()
+
+
+def test_fuzzy_logic_grid_reports_ood_r2_and_latent_decoding(tmp_path):
+  cmd = ["--config=configs/fuzzy_logic.py", f"--root={tmp_path}", "--presets=hyla", "--seeds=0",
+         "--latent_examples=32", "--latent_paper_examples=64", "--config.eval.final_batches=1", "--config.model.D=16", "--config.model.qkv_dim=8", "--config.model.H=4",
+         "--config.model.F=32", "--config.model.attention_dropout=0.0", "--config.train.instances=240",
+         "--config.train.batch_size", "8", "--config.train.warmup_steps=3", "--config.eval.batch_size=16",
+         "--config.eval.batches=1", "--config.eval.every_steps=1000", "--config.checkpoint.every_steps=1000"]
+  result = run(cmd)
+  assert result.returncode == 0, result.stderr[-3000:]
+  point = json.loads((tmp_path / "hyla_seed0" / "point.json").read_text())
+  assert point["step"] == 30  # train.steps follows instances // batch_size from the command line
+  assert set(point["results"]) == {"ood", "test", "latent"}
+  assert point["results"]["latent"]["paper_code"]["examples"] == 64  # lm-latent ran with our flags
+  r2 = point["results"]["ood"]["r2"]
+  assert f"| hyla | (config as given) | 0 | {r2:.4f} |" in (tmp_path / "summary.md").read_text()
+
