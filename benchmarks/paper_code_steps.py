@@ -54,7 +54,9 @@ def main():
   import jax  # noqa: PLC0415  (after its flags are parsed, as in its run.py)
 
   config = run.FLAGS.config
-  config.data.num_train = config.batch_size * (args.warmup_steps + args.steps)
+  # Its schedule needs more steps than twice the warmup; only the first ones are taken.
+  steps = max(args.warmup_steps + args.steps, 2 * config.warmup_steps + 1)
+  config.data.num_train = config.batch_size * steps
   exp = run.setup(config, logger=[], callbacks=[])
   state = exp.reset(jax.random.PRNGKey(config.seed))
   batches = iter(exp.train_loader)
