@@ -172,6 +172,12 @@ def sample_batch(
   }
 
 
+def shown_values(batch: dict[str, np.ndarray]) -> np.ndarray:
+  """The 36 values a sample_batch shows [b, 36]: the context from the one-hot inputs, then the answer."""
+  context_bt = batch["inputs_btv"][:, :CONTEXT_LEN].argmax(-1)
+  return np.concatenate([context_bt, batch["targets_bf"]], axis=1)
+
+
 def same_feature_positions(perm_bcf: np.ndarray, slot: int) -> np.ndarray:
   """Token positions [b, 2] of the query slot's feature in the last row's two earlier panels.
 

@@ -186,7 +186,8 @@ class Transformer(nn.Module):
   def __call__(self, inputs, *, positions_bt=None, segment_ids_bt=None, deterministic: bool = True):
     cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
     B, T = inputs.shape[:2]
-    if positions_bt is None:
+    explicit_positions = positions_bt is not None
+    if not explicit_positions:
       positions_bt = jnp.broadcast_to(jnp.arange(T), (B, T))
     if cfg.input_dim:
       w_id = self.param("input_proj", _init(cfg.input_dim ** -0.5, None, "embed"), (cfg.input_dim, cfg.D))
@@ -199,7 +200,10 @@ class Transformer(nn.Module):
       x_btd = x_btd + pos_embed.astype(dtype)[positions_bt]
     bias_bhqk = None
     if cfg.positions == "relative_bias":
-      bucket_bqk = relative_bucket(positions_bt[:, None, :] - positions_bt[:, :, None],
+      # Without explicit positions every row has the same bias: build it once, [1, H, T, T], not per
+      # row (its gather's gradient is a scatter-add the size of the bias).
+      pos_bt = positions_bt if explicit_positions else positions_bt[:1]
+      bucket_bqk = relative_bucket(pos_bt[:, None, :] - pos_bt[:, :, None],
                                    bidirectional=cfg.relative_bidirectional and not cfg.causal,
                                    num_buckets=cfg.relative_buckets,
                                    max_distance=cfg.relative_max_distance)

@@ -1,0 +1,120 @@
+"""SRAVEN training throughput, ours against the paper's own code, on this machine.
+
+  flock /tmp/bench.lock python benchmarks/compositional_throughput.py \
+    --paper_python=PAPER_VENV/bin/python --paper_repo=PAPER_CHECKOUT [--presets=softmax,linear,hyla] \
+    [--dtypes=float32,bfloat16] [--steps=100] [--repeats=3]
+
+Both train configs/sraven.py's model (4 layers, width 1, batch 128, attention dropout 0.1) with
+their own data generators, after compilation. Each measurement is a fresh process; for every preset
+the paper's code and ours (each dtype) alternate, `repeats` times. Printed: steps/s (best and median
+of the repeats), CPU seconds per step (all threads; robust to other load on a shared machine) and
+the ratio of ours to the paper's, with `uptime` before and after. The paper's side runs
+benchmarks/paper_code_steps.py in its own venv (jax 0.4.38, flax 0.10.2; see that file).
+
+`--worker` measures ours once in this process (what the driver runs).
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_PRESETS = flags.DEFINE_list("presets", ["softmax", "linear", "hyla"], "Our attention presets.")
+_DTYPES = flags.DEFINE_list("dtypes", ["float32"], "Our compute dtypes (parameters stay float32).")
+_STEPS = flags.DEFINE_integer("steps", 100, "Timed steps per measurement.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Alternating repeats per preset.")
+_PAPER_PYTHON = flags.DEFINE_string("paper_python", None, "Python of the paper code's venv.")
+_PAPER_REPO = flags.DEFINE_string("paper_repo", None, "Checkout of smonsays/hypernetwork-attention.")
+_WORKER = flags.DEFINE_bool("worker", False, "Measure ours once (--presets and --dtypes: one each).")
+
+PAPER_MODEL = {"softmax": "transformer", "linear": "linear_transformer", "hyla": "linear_hypatt"}
+WARMUP_STEPS = 5
+
+
+def measure_ours(preset: str, dtype: str, steps: int) -> dict:
+  """Our training loop's work per step: the next host batch, its transfer, the train step."""
+  import jax  # noqa: PLC0415  (workers only: the driver never initialises jax)
+
+  from configs import sraven  # noqa: PLC0415
+  from lm.experiment import Experiment  # noqa: PLC0415
+  from lm.train import HostData  # noqa: PLC0415
+
+  c = sraven.get_config()
+  c.model.update(attention=preset, dtype=dtype)
+  c = c.copy_and_resolve_references()
+  exp = Experiment(c)
+  data = HostData(exp)
+  state = exp.init_state()
+  for _ in range(WARMUP_STEPS):
+    state, stats = exp.train_step(state, exp.global_batch(data.next()))
+  jax.block_until_ready(stats)
+  start, cpu = time.perf_counter(), time.process_time()
+  for _ in range(steps):
+    state, stats = exp.train_step(state, exp.global_batch(data.next()))
+  jax.block_until_ready(stats)
+  seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+  return {"code": "ours", "preset": preset, "dtype": dtype, "steps_per_s": steps / seconds,
+          "cpu_s_per_step": cpu / steps, "loss": float(stats["loss"]), "jax": jax.__version__}
+
+
+def _run(cmd: list[str]) -> dict:
+  # CPU only: libtpu (installed with the tpu extra) would otherwise be probed.
+  out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  if out.returncode:
+    raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _uptime() -> str:
+  return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def drive() -> None:
+  if not (_PAPER_PYTHON.value and _PAPER_REPO.value):
+    raise SystemExit("give --paper_python and --paper_repo (see benchmarks/paper_code_steps.py)")
+  here = os.path.dirname(os.path.abspath(__file__))
+  print(f"before: {_uptime()}", flush=True)
+  rows = []
+  for preset in _PRESETS.value:
+    results = {"paper": []} | {d: [] for d in _DTYPES.value}
+    for _ in range(_REPEATS.value):
+      results["paper"].append(_run(
+          [_PAPER_PYTHON.value, os.path.join(here, "paper_code_steps.py"), f"--repo={_PAPER_REPO.value}",
+           f"--model={PAPER_MODEL[preset]}", f"--steps={_STEPS.value}"]))
+      for dtype in _DTYPES.value:
+        results[dtype].append(_run(
+            [sys.executable, os.path.abspath(__file__), "--worker", f"--presets={preset}",
+             f"--dtypes={dtype}", f"--steps={_STEPS.value}"]))
+    paper = max(r["steps_per_s"] for r in results["paper"])
+    for name, runs in results.items():
+      rates = [r["steps_per_s"] for r in runs]
+      row = {"preset": preset, "code": "paper" if name == "paper" else f"ours {name}",
+             "best_steps_per_s": max(rates), "median_steps_per_s": statistics.median(rates),
+             "min_cpu_s_per_step": min(r["cpu_s_per_step"] for r in runs),
+             "ratio_best_to_paper_best": max(rates) / paper}
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  print(f"after: {_uptime()}", flush=True)
+  print("| attention | code | steps/s best | median | CPU s/step (min) | x paper (best) |")
+  print("|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['preset']} | {r['code']} | {r['best_steps_per_s']:.2f} | {r['median_steps_per_s']:.2f} | "
+          f"{r['min_cpu_s_per_step']:.3f} | {r['ratio_best_to_paper_best']:.2f} |")
+
+
+def main(argv):
+  del argv
+  if _WORKER.value:
+    print(json.dumps(measure_ours(_PRESETS.value[0], _DTYPES.value[0], _STEPS.value)))
+  else:
+    drive()
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  app.run(main)
