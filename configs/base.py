@@ -12,6 +12,7 @@ def get_config() -> ml_collections.ConfigDict:
       V=32_000, D=512, H=8, L=6, F=2048, qkv_dim=0, attention="softmax",
       attention_impl="auto", attention_dropout=0.0, causal=True, positions="rotary",
       max_len=2048, rope_base=10_000.0, relative_buckets=32, relative_max_distance=128,
+      relative_bidirectional=True, relative_bias_per_layer=False,
       tied_embeddings=False, input_dim=0, dtype="float32", remat=False))
   c.data = ml_collections.ConfigDict(dict(
       source="shakespeare",   # the embedded corpus, prepared into `dir` on first use
@@ -26,7 +27,8 @@ def get_config() -> ml_collections.ConfigDict:
       steps=10_000,
       batch_size=256,         # global, in rows of seq_len tokens
       lr=1.6e-3, warmup_steps=1000, end_lr_frac=0.1,
-      b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1, grad_clip=1.0,
+      schedule="cosine",      # or "cosine_paper_code" (lm/optimizer.py)
+      b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1, grad_clip=1.0,  # grad_clip 0: none
       microbatches=1,         # gradient accumulation: the batch is processed in this many parts
       on_nonfinite="stop",    # or "skip": a non-finite loss/gradient leaves the state unchanged
       log_every_steps=50,

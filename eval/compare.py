@@ -1,7 +1,11 @@
 """Compares training runs: `lm-compare DIR [DIR ...] --out=FILE.png [--table=FILE.md]`.
 
-Reads each workdir's metrics.jsonl (lm/metrics.py), prints a markdown table of the runs' final
-validation metrics and throughput, and plots validation perplexity against training tokens.
+Reads each workdir's metrics.jsonl (lm/metrics.py) and config.json, prints a markdown table of the
+runs' final validation metrics and throughput, and plots validation perplexity against training
+tokens, training FLOPs (each run's own FLOPs per token, lm/flops.py) and wall-clock seconds. Runs
+whose configs differ only in the seed are one curve: the mean with a band of ± one standard error.
+When the evaluations hold the loss by position in the context (lm-eval, lm-train's final
+evaluation), FILE_positions.png shows the last evaluation's loss per bucket of positions.
 """
 
 import json
@@ -11,7 +15,8 @@ import numpy as np
 from absl import app, flags
 from etils import epath
 
-from lm import cli
+from lm import checkpointing, cli, flops, stats
+from lm.model import ModelConfig
 
 matplotlib.use("Agg")  # files only: no display on training hosts
 import matplotlib.pyplot as plt  # noqa: E402
@@ -19,20 +24,40 @@ import matplotlib.pyplot as plt  # noqa: E402
 _OUT = flags.DEFINE_string("out", None, "PNG to write the perplexity plot to.")
 _TABLE = flags.DEFINE_string("table", None, "Also write the markdown table to this file.")
 
-COLUMNS = ("run", "attention", "parameters", "tokens seen", "validation loss", "perplexity",
-           "bits per byte", "training tokens/s")
+COLUMNS = ("run", "attention", "parameters", "tokens seen", "training FLOPs", "wall-clock",
+           "validation loss", "perplexity", "bits per byte", "training tokens/s")
 
 
-def read_run(workdir: str, split: str = "validation") -> dict:
-  """The run's label, its evaluations in step order and its mean training throughput. A step logged
-  twice (a resume repeats the steps after the last checkpoint) counts once, with its later value."""
+def _records(workdir: str) -> list[dict]:
+  """metrics.jsonl in file order, each with `wall_seconds`: time spent in the run up to it, over all
+  of its (re)starts; the gaps between an interruption and the next start do not count."""
   path = epath.Path(workdir) / "metrics.jsonl"
   if not path.exists():
     raise ValueError(f"{workdir} has no metrics.jsonl: it is not a training workdir (lm-train "
                      f"--workdir={workdir} creates one)")
-  latest: dict[tuple[str, int], dict] = {}
+  records, done, start, last = [], 0.0, None, None
   for line in path.read_text().splitlines():
     record = json.loads(line)
+    if record["kind"] == "run" or start is None:
+      done += 0.0 if start is None else last - start
+      start = record["time"]
+    last = record["time"]
+    records.append({**record, "wall_seconds": done + last - start})
+  return records
+
+
+def wall_seconds(workdir: str) -> float:
+  """Seconds the run has spent training and evaluating, over all of its (re)starts."""
+  records = _records(workdir)
+  return records[-1]["wall_seconds"] if records else 0.0
+
+
+def read_run(workdir: str, split: str = "validation") -> dict:
+  """The run's label, config, FLOPs per token, its evaluations in step order and its mean training
+  throughput. A step logged twice (a resume repeats the steps after the last checkpoint) counts
+  once, with its later value."""
+  latest: dict[tuple[str, int], dict] = {}
+  for record in _records(workdir):
     latest[(record["kind"], record["step"])] = record
   by_kind = lambda kind: [latest[k] for k in sorted(latest, key=lambda k: k[1]) if k[0] == kind]
   evals = by_kind(f"eval/{split}")
@@ -41,8 +66,16 @@ def read_run(workdir: str, split: str = "validation") -> dict:
                      f"(eval.every_steps) or run `lm-eval --workdir={workdir}`")
   runs = by_kind("run")
   rates = [r["tokens_per_sec"] for r in by_kind("train") if "tokens_per_sec" in r]
+  config_path = epath.Path(workdir) / "config.json"
+  config = json.loads(config_path.read_text()) if config_path.exists() else None
+  flops_per_token = None
+  if config and runs:
+    seq_len = runs[-1]["tokens_per_step"] // config["train"]["batch_size"]
+    flops_per_token = flops.flops_per_token(ModelConfig.from_dict(config["model"]),
+                                            runs[-1]["num_params"], seq_len)
   return {"run": epath.Path(workdir).name, "attention": runs[-1]["attention"] if runs else "?",
-          "num_params": runs[-1]["num_params"] if runs else None, "evals": evals,
+          "num_params": runs[-1]["num_params"] if runs else None, "evals": evals, "config": config,
+          "flops_per_token": flops_per_token,
           "tokens_per_sec": float(np.mean(rates)) if rates else None}
 
 
@@ -52,29 +85,111 @@ def table(runs: list[dict]) -> str:
   rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   for r in runs:
     last = r["evals"][-1]
+    train_flops = r["flops_per_token"] and r["flops_per_token"] * last["tokens_seen"]
     cells = (r["run"], r["attention"], fmt(r["num_params"], ","), fmt(last["tokens_seen"], ","),
+             fmt(train_flops, ".3g"), fmt(last["wall_seconds"], ",.0f") + " s",
              fmt(last["loss"], ".4f"), fmt(last["perplexity"], ".2f"), fmt(last.get("bits_per_byte"), ".3f"),
              fmt(r["tokens_per_sec"], ",.0f"))
     rows.append("| " + " | ".join(cells) + " |")
   return "\n".join(rows) + "\n"
 
 
-def plot(runs: list[dict], out: str, split: str = "validation") -> None:
-  fig, ax = plt.subplots(figsize=(6.4, 4.2))
+def seed_groups(runs: list[dict]) -> dict[str, list[dict]]:
+  """Runs whose configs differ in the seed only, under a label naming what sets them apart."""
+  keys = []
   for r in runs:
-    ax.plot([e["tokens_seen"] for e in r["evals"]], [e["perplexity"] for e in r["evals"]],
-            marker="o", label=f"{r['run']} ({r['attention']})")
-  ax.set(xlabel="training tokens", ylabel=f"{split} perplexity", yscale="log")
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend()
+    config = dict(r["config"] or {"run": r["run"]})
+    config.pop("seed", None)
+    keys.append(json.dumps(config, sort_keys=True))
+  distinct = [json.loads(k) for k, r in dict(zip(keys, runs)).items() if r["config"]]
+  varying = sorted({k for a in distinct for b in distinct for k, _, _ in checkpointing.differences(a, b)}
+                   - {"model.attention", "run"})
+  groups = {}
+  for r, key in zip(runs, keys):
+    config = json.loads(key)
+    shown = [f"{k}={_get(config, k)}" for k in varying]
+    label = ", ".join([r["attention"]] + shown) if r["config"] else f"{r['run']} ({r['attention']})"
+    groups.setdefault(label, []).append(r)
+  return groups
+
+
+def _get(config: dict, dotted: str):
+  for part in dotted.split("."):
+    config = config.get(part, {}) if isinstance(config, dict) else None
+  return config
+
+
+def _band(runs: list[dict], x_of, y_of) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """x, mean y and its standard error at the steps every run evaluated (x averaged over runs)."""
+  steps = sorted(set.intersection(*({e["step"] for e in r["evals"]} for r in runs)))
+  xs, ys, ses = [], [], []
+  for step in steps:
+    points = [(x_of(r, e), y_of(e)) for r in runs for e in r["evals"] if e["step"] == step]
+    mean, se = stats.mean_stderr([p[1] for p in points])
+    xs.append(np.mean([p[0] for p in points]))
+    ys.append(mean)
+    ses.append(se or 0.0)
+  return np.asarray(xs), np.asarray(ys), np.asarray(ses)
+
+
+AXES = (("training tokens", lambda r, e: e["tokens_seen"]),
+        ("training FLOPs", lambda r, e: e["tokens_seen"] * (r["flops_per_token"] or np.nan)),
+        ("wall-clock seconds", lambda r, e: e["wall_seconds"]))
+
+
+def plot(runs: list[dict], out: str, split: str = "validation") -> None:
+  groups = seed_groups(runs)
+  fig, axes = plt.subplots(1, len(AXES), figsize=(15, 4.2), sharey=True)
+  for ax, (xlabel, x_of) in zip(axes, AXES):
+    for label, mine in groups.items():
+      x, y, se = _band(mine, x_of, lambda e: e["perplexity"])
+      seeds = f", {len(mine)} seeds" if len(mine) > 1 else ""
+      line, = ax.plot(x, y, marker="o", markersize=3, label=label + seeds)
+      if len(mine) > 1:
+        ax.fill_between(x, y - se, y + se, color=line.get_color(), alpha=0.25, linewidth=0)
+    ax.set(xlabel=xlabel, yscale="log")
+    ax.grid(True, which="both", alpha=0.3)
+  axes[0].set_ylabel(f"{split} perplexity (mean ± 1 s.e. over seeds)")
+  axes[0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(out, dpi=120)
   plt.close(fig)
 
 
+def positions_path(out: str) -> epath.Path:
+  path = epath.Path(out)
+  return path.with_name(f"{path.stem}_positions{path.suffix}")
+
+
+def plot_positions(runs: list[dict], out: str) -> bool:
+  """Loss by bucket of positions in the context at each run's last evaluation; False if the
+  evaluations do not hold it."""
+  if not all("loss_by_position" in r["evals"][-1] for r in runs):
+    return False
+  fig, ax = plt.subplots(figsize=(6.4, 4.2))
+  for label, mine in seed_groups(runs).items():
+    by_position = [r["evals"][-1]["loss_by_position"] for r in mine]
+    first = by_position[0]["first_position"]
+    cells = [stats.mean_stderr([b["loss"][i] for b in by_position]) for i in range(len(first))]
+    y = np.asarray([m for m, _ in cells])
+    line, = ax.plot(range(len(first)), y, marker="o", label=label)
+    if len(mine) > 1:
+      se = np.asarray([s for _, s in cells])
+      ax.fill_between(range(len(first)), y - se, y + se, color=line.get_color(), alpha=0.25, linewidth=0)
+  ticks = [f"{a}-{b - 1}" if b - 1 > a else f"{a}" for a, b in zip(first, first[1:] + [2 * first[-1]])]
+  ax.set_xticks(range(len(first)), ticks, rotation=30)
+  ax.set(xlabel="position in the context (tokens before the target)", ylabel="validation loss (nats)")
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(positions_path(out), dpi=120)
+  plt.close(fig)
+  return True
+
+
 def compare(workdirs: list[str], out: str, table_path: str | None = None,
             split: str = "validation") -> str:
-  """Reads every run (all problems reported at once), writes the plot (and table); returns the table."""
+  """Reads every run (all problems reported at once), writes the plots (and table); returns the table."""
   runs, problems = [], []
   for w in workdirs:
     try:
@@ -85,6 +200,7 @@ def compare(workdirs: list[str], out: str, table_path: str | None = None,
     raise ValueError("\n".join(problems))
   text = table(runs)
   plot(runs, out, split)
+  plot_positions(runs, out)
   if table_path:
     epath.Path(table_path).write_text(text)
   return text
@@ -97,7 +213,8 @@ def main(argv):
     print(compare(argv[1:], _OUT.value, _TABLE.value), end="")
   except ValueError as e:
     raise SystemExit(f"lm-compare: {e}") from e
-  print(f"plot: {_OUT.value}")
+  print(f"plot: {_OUT.value}" + (f" and {positions_path(_OUT.value)}"
+                                 if positions_path(_OUT.value).exists() else ""))
 
 
 def run():

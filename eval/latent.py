@@ -1,17 +1,23 @@
-"""Latent-code analysis of a SRAVEN or fuzzy-logic checkpoint (PAPER.md section 5).
+"""Latent-code analysis of a SRAVEN or fuzzy-logic checkpoint (PAPER.md section 5), by two protocols.
 
-`lm-latent --workdir=DIR [--step=N] [--examples=2048]`
+`lm-latent --workdir=DIR [--step=N] [--examples=2048] [--paper_examples=N]`
 
 The latent code of a (query, key) pair is the H-vector of normalised scores across heads, per layer.
+Our protocol (top-level keys of latent.json), a decoder per layer fitted on codes of training tasks
+and scored on held-out (OOD) tasks:
   - SRAVEN: for each of the 4 query tokens, the codes towards the same feature in the two earlier
-    panels of the last row (2H values); the label is the rule of that feature. (The paper uses the
-    last query token; every query token is the same construction for its own feature, so all four
-    are used: four times the examples.)
+    panels of the last row (2H values), on the training distribution (features permuted); the label
+    is the rule of that feature, decoded by logistic regression. All four query tokens are used.
   - Fuzzy logic: the code of the query token attending to itself (H values); the labels are the
-    task's K terms, decoded as a set (one-vs-rest, the K most likely terms).
-A logistic-regression decoder is fitted per layer on codes of training tasks and scored on held-out
-(OOD) tasks. Writes DIR/latent.json (printed too) and DIR/latent_embedding.png: a PCA of the final
-layer's OOD codes, coloured by rule (SRAVEN) or by the task's first term (fuzzy logic).
+    task's K terms, decoded as a set (one-vs-rest logistic regression, the K most likely terms).
+The paper code's protocol (key "paper_code"):
+  - SRAVEN: the last query token only, on unpermuted data; logistic regression per layer from
+    fresh instances of training tasks to OOD tasks (51,200 each by default).
+  - Fuzzy logic: all layers' query self-codes (L*H values) on fixed-query sequences (one query point
+    for every sequence) of training tasks, ridge regression (l2 = 1) onto the task's term bit-vectors
+    (K*L targets), fitted on one half and scored by R² (mean over targets) on the other (16,000).
+Also writes DIR/latent.json (printed too) and DIR/latent_embedding.png: a PCA of the final layer's
+OOD codes (our protocol), coloured by rule (SRAVEN) or by the task's first term (fuzzy logic).
 """
 
 import json
@@ -22,18 +28,20 @@ import numpy as np
 from absl import flags, logging
 from etils import epath
 from sklearn.decomposition import PCA
-from sklearn.linear_model import LogisticRegression
+from sklearn.linear_model import LogisticRegression, Ridge
+from sklearn.metrics import r2_score
 from sklearn.multiclass import OneVsRestClassifier
 from sklearn.preprocessing import MultiLabelBinarizer
 
 from data_pipelines import fuzzy_logic, sraven
 from lm import checkpointing, cli, model as model_lib
-from lm.tasks_compositional import EVAL_STEP0
+from lm.tasks_compositional import EVAL_STEP0, split_seed
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
 
 _BATCH = 256
+PAPER_EXAMPLES = {"sraven": 51_200, "fuzzy_logic": 16_000}  # the paper code's callback set sizes
 
 
 def codes_fn(config, params):
@@ -43,34 +51,41 @@ def codes_fn(config, params):
   return lambda inputs: [np.asarray(c) for c in apply(inputs)]
 
 
-def sraven_codes(config, codes, split: str, examples: int):
-  """Features [L, n*4, 2H] and rule labels [n*4] of one split."""
+def sraven_codes(config, codes, split: str, examples: int, slots=range(sraven.NUM_FEATURES),
+                 permute: bool | None = None):
+  """Features [L, n*len(slots), 2H] and rule labels [n*len(slots)] of one split. permute: the
+  feature permutation (default: as in training)."""
   d, feats, labels = config.data, [], []
+  permute = d.permute_features if permute is None else permute
   for i in range(0, examples, _BATCH):
     b = sraven.sample_batch(config.seed, EVAL_STEP0 + i, min(_BATCH, examples - i), split,
-                            split_seed=d.split_seed, frac_ood=d.frac_ood,
-                            permute_features=d.permute_features)
+                            split_seed=split_seed(config), frac_ood=d.frac_ood,
+                            permute_features=permute)
     layers = codes(b["inputs_btv"])
     rows = np.arange(len(b["task_b"]))[:, None]
     per_slot = []
-    for slot in range(sraven.NUM_FEATURES):
+    for slot in slots:
       keys_b2 = sraven.same_feature_positions(b["perm_bcf"], slot)
       query = sraven.CONTEXT_LEN + slot
       # a_bhqk[b, :, query, keys_b2[b]] for each layer -> [L, B, 2H]
       per_slot.append(np.stack([a[rows, :, query, keys_b2].reshape(len(rows), -1) for a in layers]))
     feats.append(np.concatenate(per_slot, axis=1))
-    labels.append(b["query_rules_bf"].T.reshape(-1))
+    labels.append(b["query_rules_bf"][:, list(slots)].T.reshape(-1))
   return np.concatenate(feats, axis=1), np.concatenate(labels)
 
 
-def fuzzy_codes(config, codes, split: str, examples: int):
-  """Features [L, n, H] and term sets [n, K] of one split."""
+def fuzzy_codes(config, codes, split: str, examples: int, fixed_query: bool = False):
+  """Features [L, n, H] and term sets [n, K] of one split; fixed_query: every sequence's query
+  point is one point drawn from the run's seed (the paper code's probe set)."""
   d, feats, labels = config.data, [], []
+  x_query_l = np.random.default_rng(config.seed).random(d.num_vars, dtype=np.float32)
   for i in range(0, examples, _BATCH):
     b = fuzzy_logic.sample_batch(config.seed, EVAL_STEP0 + i, min(_BATCH, examples - i), split,
                                  num_vars=d.num_vars, num_terms=d.num_terms, seq_len=d.seq_len,
-                                 frac_test=d.frac_test, split_seed=d.split_seed,
+                                 frac_test=d.frac_test, split_seed=split_seed(config),
                                  frac_unknown=d.frac_unknown)
+    if fixed_query:
+      b["inputs_btv"][:, -1, :d.num_vars] = x_query_l  # the query's answer slot stays 0
     feats.append(np.stack([a[:, :, -1, -1] for a in codes(b["inputs_btv"])]))
     labels.append(b["terms_bk"])
   return np.concatenate(feats, axis=1), np.concatenate(labels)
@@ -90,7 +105,33 @@ def decode_terms(x_train, terms_train, x_ood, terms_ood) -> float:
   return float((np.sort(top_nk, axis=1) == np.sort(terms_ood, axis=1)).all(axis=1).mean())
 
 
-def analyse(workdir: str, step: int | None = None, examples: int = 2048) -> dict:
+def ridge_r2(x_nf, y_nt) -> float:
+  """Ridge regression (l2 = 1) fitted on the first half, R² on the second, averaged over targets."""
+  half = len(x_nf) // 2
+  fit = Ridge(alpha=1.0).fit(x_nf[:half], y_nt[:half])
+  return float(r2_score(y_nt[half:], fit.predict(x_nf[half:])))
+
+
+def paper_code_protocol(config, codes, examples: int) -> dict:
+  if config.task == "sraven":
+    (x_tr, y_tr), (x_ood, y_ood) = (sraven_codes(config, codes, s, examples, slots=(3,), permute=False)
+                                    for s in ("test", "ood"))
+    return {"protocol": "last query token, unpermuted data, logistic regression training -> OOD tasks",
+            "examples_per_split": examples,
+            "ood_decoding_accuracy_per_layer": [decode_rules(x_tr[l], y_tr, x_ood[l], y_ood)
+                                                for l in range(len(x_tr))],
+            "majority_class_accuracy": float(np.bincount(y_ood).max() / len(y_ood))}
+  x_lnh, terms_nk = fuzzy_codes(config, codes, "train", examples, fixed_query=True)
+  bits_nkl = fuzzy_logic.all_terms(config.data.num_vars)[terms_nk]
+  return {"protocol": "all layers' query self-codes, fixed-query sequences of training tasks, "
+                      "ridge (l2=1) onto term bits, R² on the held-out half",
+          "examples": examples,
+          "term_bits_r2": ridge_r2(np.concatenate(list(x_lnh), axis=1), bits_nkl.reshape(len(bits_nkl), -1))}
+
+
+def analyse(workdir: str, step: int | None = None, examples: int = 2048,
+            paper_examples: int | None = None) -> dict:
+  """paper_examples: instances per set of the paper code's protocol (default: its sizes)."""
   config, params = checkpointing.load(workdir, step)
   codes = codes_fn(config, params)
   if config.task == "sraven":
@@ -105,10 +146,15 @@ def analyse(workdir: str, step: int | None = None, examples: int = 2048) -> dict
     raise SystemExit(f"lm-latent: {workdir} is a {config.task!r} run; latent codes are analysed for "
                      "sraven and fuzzy_logic runs only")
   result = {"task": config.task, "attention": config.model.attention, "heads": config.model.H,
+            "protocol": "ours: " + ("every query token, training distribution, logistic regression "
+                                    "training -> OOD tasks" if config.task == "sraven" else
+                                    "query self-code, term set by one-vs-rest logistic regression, "
+                                    "training -> OOD tasks"),
             "examples_per_split": examples,
             "ood_decoding_accuracy_per_layer": [decode(x_tr[l], y_tr, x_ood[l], y_ood)
                                                 for l in range(len(x_tr))],
-            "majority_class_accuracy": chance}
+            "majority_class_accuracy": chance,
+            "paper_code": paper_code_protocol(config, codes, paper_examples or PAPER_EXAMPLES[config.task])}
   embedding = PCA(n_components=2).fit_transform(x_ood[-1]) if x_ood.shape[-1] > 1 else \
       np.concatenate([x_ood[-1], np.zeros_like(x_ood[-1])], axis=1)
   fig, ax = plt.subplots(figsize=(5, 4.5))
@@ -128,7 +174,8 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   try:
-    result = analyse(flags.FLAGS.workdir, flags.FLAGS.step, flags.FLAGS.examples)
+    result = analyse(flags.FLAGS.workdir, flags.FLAGS.step, flags.FLAGS.examples,
+                     flags.FLAGS.paper_examples)
   except FileNotFoundError as e:
     raise SystemExit(f"lm-latent: {e}") from e
   print(json.dumps(result, indent=1))
@@ -138,7 +185,9 @@ def run():
   # Defined here, not at import, so that lm-ablate can import this module next to lm.train's flags.
   flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
   flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
-  flags.DEFINE_integer("examples", 2048, "Instances per split (training tasks, OOD tasks).")
+  flags.DEFINE_integer("examples", 2048, "Instances per split (training tasks, OOD tasks), our protocol.")
+  flags.DEFINE_integer("paper_examples", None, "Instances per set of the paper code's protocol; "
+                       "default: its sizes (SRAVEN 51,200, fuzzy logic 16,000).")
   flags.mark_flags_as_required(["workdir"])
   cli.run(main, __name__)
 

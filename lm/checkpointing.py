@@ -70,12 +70,17 @@ def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
   return out
 
 
-def check_compatible(saved: dict, current: dict) -> None:
-  """Raises naming every field whose change would make the saved state mean something else."""
+def differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+  """(field, saved value, current value) of every field outside MUTABLE_FIELDS that differs."""
   mutable = lambda key: any(key == m or key.startswith(m + ".") for m in MUTABLE_FIELDS)
   old, new = _flat(saved), _flat(current)
-  diffs = [f"{k}: checkpoint has {old.get(k)!r}, config has {new.get(k)!r}"
-           for k in sorted(set(old) | set(new)) if not mutable(k) and old.get(k) != new.get(k)]
+  return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+          if not mutable(k) and old.get(k) != new.get(k)]
+
+
+def check_compatible(saved: dict, current: dict) -> None:
+  """Raises naming every field whose change would make the saved state mean something else."""
+  diffs = [f"{k}: checkpoint has {a!r}, config has {b!r}" for k, a, b in differences(saved, current)]
   if diffs:
     raise ValueError("the config does not match the checkpoint it would resume from:\n  "
                      + "\n  ".join(diffs)

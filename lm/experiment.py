@@ -13,7 +13,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from data_pipelines import pipeline
-from lm import model as model_lib, optimizer as optimizer_lib, sharding, tasks
+from lm import model as model_lib, optimizer as optimizer_lib, sharding, stats, tasks
 
 
 @flax.struct.dataclass
@@ -144,18 +144,20 @@ class Experiment:
     return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
             for k, v in local.items()}
 
-  def eval_sets(self) -> dict[str, Callable[[], Iterator[dict[str, np.ndarray]]]]:
-    """This process's share of every evaluation set: the same batches on every call."""
+  def eval_sets(self, final: bool = False) -> dict[str, Callable[[], Iterator[dict[str, np.ndarray]]]]:
+    """This process's share of every evaluation set: the same batches on every call. `final`: the
+    sets of a run's last evaluation (larger for tasks that say so)."""
     return self.task.eval_sets(pipeline.Shard(jax.process_index(), jax.process_count()),
-                               self.config.eval.batch_size // jax.process_count())
+                               self.config.eval.batch_size // jax.process_count(), final)
 
   def evaluate(self, params, batches: Iterator[dict[str, np.ndarray]]) -> dict[str, float]:
     """The task's metrics over every batch of a set. Per-batch sums stay on device until the end,
-    so the host dispatches the whole set without waiting; they are added in float64."""
+    so the host dispatches the whole set without waiting; they are added (moments merged) in float64."""
     with jax.set_mesh(self.mesh):
       per_batch = jax.device_get([self._eval_step(params, self.global_batch(b))
                                   for b in _until_all_done(batches)])
-    sums = {k: float(np.sum([np.float64(b[k]) for b in per_batch])) for k in per_batch[0]}
+    sums = {k: stats.merge_all([b[k] for b in per_batch]) if isinstance(v, stats.Moments)
+            else float(np.sum([np.float64(b[k]) for b in per_batch])) for k, v in per_batch[0].items()}
     return self.task.summarize(sums)
 
 

@@ -35,6 +35,8 @@ class ModelConfig:
   rope_base: float = 10_000.0
   relative_buckets: int = 32
   relative_max_distance: int = 128
+  relative_bidirectional: bool = True   # False: later keys share the query's bucket 0 (the paper's code)
+  relative_bias_per_layer: bool = False  # one bias table per layer (the paper's code) or one shared (T5)
   tied_embeddings: bool = False
   input_dim: int = 0          # >0: inputs are float vectors of this width instead of token ids
   dtype: str = "float32"      # compute dtype; parameters stay float32
@@ -50,6 +52,9 @@ class ModelConfig:
       raise ValueError(f"unknown model.positions {self.positions!r}; choose one of: {', '.join(POSITIONS)}")
     if self.dtype not in DTYPES:
       raise ValueError(f"unknown model.dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+    if self.positions == "relative_bias" and self.relative_max_distance < self.relative_buckets:
+      raise ValueError(f"model.relative_max_distance={self.relative_max_distance} must be at least "
+                       f"model.relative_buckets={self.relative_buckets}")
     if self.positions == "rotary" and (qkv // self.H) % 2:
       raise ValueError(f"rotary positions need an even head width, got {qkv // self.H}")
 
@@ -83,11 +88,14 @@ def rotary(x_bthk: jax.Array, positions_bt: jax.Array, base: float) -> jax.Array
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthk.dtype)
 
 
-def relative_bucket(relative_bqk: jax.Array, *, causal: bool, num_buckets: int,
+def relative_bucket(relative_bqk: jax.Array, *, bidirectional: bool, num_buckets: int,
                     max_distance: int) -> jax.Array:
-  """T5's bucketing of key-minus-query offsets: exact for small offsets, logarithmic beyond."""
+  """T5's bucketing of key-minus-query offsets: exact for small offsets, logarithmic beyond.
+
+  One-sided (not bidirectional): every key after the query falls in bucket 0 with the query itself.
+  """
   bucket = jnp.zeros_like(relative_bqk)
-  if causal:
+  if not bidirectional:
     n = jnp.maximum(-relative_bqk, 0)
   else:
     num_buckets //= 2
@@ -192,16 +200,20 @@ class Transformer(nn.Module):
       x_btd = x_btd + self.param("pos_embed", _init(0.02), (cfg.max_len, cfg.D)).astype(dtype)[positions_bt]
     bias_bhqk = None
     if cfg.positions == "relative_bias":
-      # One bias table shared by all layers, as in T5.
-      bucket_bqk = relative_bucket(positions_bt[:, None, :] - positions_bt[:, :, None], causal=cfg.causal,
+      bucket_bqk = relative_bucket(positions_bt[:, None, :] - positions_bt[:, :, None],
+                                   bidirectional=cfg.relative_bidirectional and not cfg.causal,
                                    num_buckets=cfg.relative_buckets,
                                    max_distance=cfg.relative_max_distance)
-      table_nh = self.param("relative_bias", _init(0.02), (cfg.relative_buckets, cfg.H))
-      bias_bhqk = jnp.moveaxis(table_nh[bucket_bqk], -1, 1)
+      relative_bias = lambda name: jnp.moveaxis(
+          self.param(name, _init(0.02), (cfg.relative_buckets, cfg.H))[bucket_bqk], -1, 1)
+      if not cfg.relative_bias_per_layer:
+        bias_bhqk = relative_bias("relative_bias")  # one table shared by all layers, as in T5
     block = nn.remat(Block) if cfg.remat else Block
     codes = []
     x_btd = sharding.constrain_batch(x_btd)
     for i in range(cfg.L):
+      if cfg.positions == "relative_bias" and cfg.relative_bias_per_layer:
+        bias_bhqk = relative_bias(f"relative_bias_{i}")
       x_btd, codes_i = block(cfg, deterministic, return_codes, name=f"block_{i}")(
           x_btd, positions_bt, segment_ids_bt, bias_bhqk)
       x_btd = sharding.constrain_batch(x_btd)

@@ -23,7 +23,7 @@ import ml_collections
 import numpy as np
 
 from data_pipelines import pipeline, sources
-from lm import tasks_compositional
+from lm import stats, tasks_compositional
 
 Batch = dict[str, np.ndarray]
 
@@ -34,7 +34,8 @@ class Task(Protocol):
 
   def train_iterator(self, shard: pipeline.Shard, rows: int) -> grain.DatasetIterator: ...
 
-  def eval_sets(self, shard: pipeline.Shard, rows: int) -> dict[str, Callable[[], Iterator[Batch]]]: ...
+  def eval_sets(self, shard: pipeline.Shard, rows: int,
+                final: bool = False) -> dict[str, Callable[[], Iterator[Batch]]]: ...
 
   def loss(self, outputs: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]: ...
 
@@ -45,11 +46,15 @@ class Task(Protocol):
   def example(self) -> Batch: ...
 
 
-def weighted_xent(logits_btv: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array):
-  """Sums over weighted tokens: (Σ nll, Σ nll², Σ weight)."""
+def token_nll(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+  """Negative log-likelihood of every target token, in float32: [B, T]."""
   logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32))
-  nll_bt = -jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
-  return (nll_bt * weights_bt).sum(), (nll_bt ** 2 * weights_bt).sum(), weights_bt.sum()
+  return -jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
+
+
+def position_buckets(seq_len: int) -> list[int]:
+  """First position of each bucket of positions in the context: 0, 1, 2, 4, 8, ... (powers of two)."""
+  return [0] + [2 ** k for k in range((seq_len - 1).bit_length())]
 
 
 class LanguageModeling:
@@ -82,25 +87,36 @@ class LanguageModeling:
   def validation_bytes(self) -> int:
     return pipeline.split_bytes(self.data.validation)
 
-  def eval_sets(self, shard, rows):
+  def eval_sets(self, shard, rows, final=False):
+    del final  # the whole validation split every time
     d, data = self.config.data, self.data  # missing data fails here, not at the first evaluation
     return {"validation": lambda: iter(pipeline.eval_dataset(
         data.validation, data.tokenizer, seq_len=d.seq_len, batch_size=rows, shard=shard,
         packing_bins=d.packing_bins, threads=d.threads))}
 
   def loss(self, outputs, batch):
-    total, _, count = weighted_xent(outputs, batch["targets"], batch["weights"])
-    return total / jnp.maximum(count, 1.0), count
+    weights_bt = batch["weights"]
+    count = weights_bt.sum()
+    return (token_nll(outputs, batch["targets"]) * weights_bt).sum() / jnp.maximum(count, 1.0), count
 
   def eval_sums(self, outputs, batch):
-    total, total_sq, count = weighted_xent(outputs, batch["targets"], batch["weights"])
-    return {"nll": total, "nll_sq": total_sq, "tokens": count}
+    nll_bt, weights_bt = token_nll(outputs, batch["targets"]), batch["weights"]
+    # Bucket k holds positions [2^(k-1), 2^k): its index is the position's bit length.
+    bucket_bt = 32 - jax.lax.clz(batch["positions"].astype(jnp.int32))
+    in_bucket_btn = jax.nn.one_hot(bucket_bt, len(position_buckets(self.seq_len))) * weights_bt[..., None]
+    return {"nll": stats.Moments.of(nll_bt, weights_bt, xp=jnp),
+            "nll_by_position": stats.Moments.of(nll_bt[..., None], in_bucket_btn, axis=(0, 1), xp=jnp)}
 
   def summarize(self, sums):
-    n, mean = sums["tokens"], sums["nll"] / max(sums["tokens"], 1.0)
-    var = max(sums["nll_sq"] / max(n, 1.0) - mean ** 2, 0.0) * n / max(n - 1, 1.0)
-    result = {"loss": mean, "loss_stderr": math.sqrt(var / max(n, 1.0)), "perplexity": math.exp(mean),
-              "bits_per_byte": sums["nll"] / math.log(2) / self.validation_bytes, "tokens": int(n)}
+    nll, by_position = sums["nll"], sums["nll_by_position"]
+    n, mean = float(nll.count), float(nll.mean)
+    result = {"loss": mean, "loss_stderr": float(nll.stderr), "perplexity": math.exp(mean),
+              "bits_per_byte": mean * n / math.log(2) / self.validation_bytes, "tokens": int(n),
+              "loss_by_position": {
+                  "first_position": position_buckets(self.seq_len),
+                  "loss": [float(m) if c else None for m, c in zip(by_position.mean, by_position.count)],
+                  "stderr": [float(s) if c > 1 else None for s, c in zip(by_position.stderr, by_position.count)],
+                  "tokens": by_position.count.astype(int).tolist()}}
     if self.data.unigram_perplexity is not None:
       result["unigram_perplexity"] = self.data.unigram_perplexity
     return result

@@ -10,7 +10,6 @@ a checkpoint needs. Evaluation batches use generator steps from EVAL_STEP0 on, w
 stream never reaches.
 """
 
-import math
 
 import grain
 import jax
@@ -19,6 +18,7 @@ import ml_collections
 import numpy as np
 
 from data_pipelines import fuzzy_logic, pipeline, sraven
+from lm import stats
 
 EVAL_STEP0 = 2 ** 40
 R2_MIN_VAR = 1e-6  # sequences whose targets barely vary would dominate the mean R²; floor their variance
@@ -32,6 +32,17 @@ def generated(sample, shard: pipeline.Shard, rows: int) -> grain.DatasetIterator
 
 def eval_batches(sample, shard: pipeline.Shard, rows: int, num_batches: int):
   return lambda: (sample(EVAL_STEP0 + i * shard.count + shard.index, rows) for i in range(num_batches))
+
+
+def num_eval_batches(config: ml_collections.ConfigDict, final: bool) -> int:
+  """eval.batches per set; the final evaluation takes eval.final_batches (the paper's sizes) if set."""
+  return (final and config.eval.get("final_batches", 0)) or config.eval.batches
+
+
+def split_seed(config: ml_collections.ConfigDict) -> int:
+  """The seed of the held-out task split: data.split_seed, or the run's seed when it is -1 (as the
+  paper's code does, so that seeds also vary which tasks are held out)."""
+  return config.seed if config.data.split_seed < 0 else config.data.split_seed
 
 
 def sraven_sums(logits_bfv: jax.Array, targets_bf: jax.Array) -> dict[str, jax.Array]:
@@ -52,12 +63,6 @@ def fuzzy_sums(pred_b: jax.Array, targets_b: jax.Array, target_var_b: jax.Array)
           "r2_sq": (r2_b ** 2).sum()}
 
 
-def _mean_stderr(total: float, total_sq: float, n: float) -> tuple[float, float]:
-  mean = total / max(n, 1.0)
-  var = max(total_sq / max(n, 1.0) - mean ** 2, 0.0) * n / max(n - 1, 1.0)
-  return mean, math.sqrt(var / max(n, 1.0))
-
-
 class Sraven:
   """SRAVEN: inputs one-hot [B, 36, 8]; outputs [B, 36, 8], the last 4 positions are the answer."""
   name = "sraven"
@@ -69,12 +74,12 @@ class Sraven:
       raise ValueError(f"SRAVEN needs model.V={sraven.NUM_VALUES} and model.input_dim={sraven.NUM_VALUES}, "
                        f"got V={vocab_size}, input_dim={m.input_dim}; start from configs/sraven.py")
     self.config = config
-    sraven.task_split(config.data.split_seed, config.data.frac_ood)  # a bad fraction fails here
+    sraven.task_split(split_seed(config), config.data.frac_ood)  # a bad fraction fails here
 
   def sample(self, seed: int, step: int, rows: int, split: str) -> dict[str, np.ndarray]:
     d = self.config.data
-    b = sraven.sample_batch(seed, step, rows, split, split_seed=d.split_seed, frac_ood=d.frac_ood,
-                            permute_features=d.permute_features)
+    b = sraven.sample_batch(seed, step, rows, split, split_seed=split_seed(self.config),
+                            frac_ood=d.frac_ood, permute_features=d.permute_features)
     return {"inputs": b["inputs_btv"], "targets": b["targets_bf"]}
 
   def train_iterator(self, shard, rows):
@@ -83,10 +88,10 @@ class Sraven:
   def example(self):
     return self.sample(self.config.seed, 0, 1, "train")
 
-  def eval_sets(self, shard, rows):
+  def eval_sets(self, shard, rows, final=False):
     # "test": fresh instances of the training tasks; "ood": the held-out tasks (the headline).
     return {split: eval_batches(lambda step, n, s=split: self.sample(self.config.seed, step, n, s),
-                                shard, rows, self.config.eval.batches)
+                                shard, rows, num_eval_batches(self.config, final))
             for split in ("test", "ood")}
 
   def loss(self, outputs, batch):
@@ -98,7 +103,8 @@ class Sraven:
 
   def summarize(self, sums):
     n, p = sums["examples"], sums["correct"] / max(sums["examples"], 1.0)
-    return {"accuracy": p, "accuracy_stderr": math.sqrt(p * (1 - p) / max(n, 1.0)),
+    correct = stats.Moments.from_sums(sums["correct"], sums["correct"], n)  # 0/1 values: x² = x
+    return {"accuracy": p, "accuracy_stderr": float(correct.stderr),
             "feature_accuracy": sums["features_correct"] / max(n, 1.0),
             "loss": sums["nll"] / max(n, 1.0), "examples": int(n)}
 
@@ -120,7 +126,8 @@ class FuzzyLogic:
   def sample(self, seed: int, step: int, rows: int, split: str) -> dict[str, np.ndarray]:
     d = self.config.data
     b = fuzzy_logic.sample_batch(seed, step, rows, split, num_vars=d.num_vars, num_terms=d.num_terms,
-                                 seq_len=d.seq_len, frac_test=d.frac_test, split_seed=d.split_seed,
+                                 seq_len=d.seq_len, frac_test=d.frac_test,
+                                 split_seed=split_seed(self.config),
                                  frac_unknown=d.frac_unknown)
     return {"inputs": b["inputs_btv"], "targets": b["targets_b"], "target_var": b["target_var_b"]}
 
@@ -130,12 +137,12 @@ class FuzzyLogic:
   def example(self):
     return self.sample(self.config.seed, 0, 1, "train")
 
-  def eval_sets(self, shard, rows):
+  def eval_sets(self, shard, rows, final=False):
     # The generator's "test" split (held-out combinations of known terms) is the compositional OOD
     # set; "train" here means fresh sequences of the training tasks (in distribution).
     names = {"test": "train", "ood": "test", "unknown": "unknown"}
     return {name: eval_batches(lambda step, n, s=split: self.sample(self.config.seed, step, n, s),
-                               shard, rows, self.config.eval.batches)
+                               shard, rows, num_eval_batches(self.config, final))
             for name, split in names.items()}
 
   def loss(self, outputs, batch):
@@ -147,5 +154,5 @@ class FuzzyLogic:
 
   def summarize(self, sums):
     n = sums["examples"]
-    r2, r2_stderr = _mean_stderr(sums["r2"], sums["r2_sq"], n)
-    return {"r2": r2, "r2_stderr": r2_stderr, "mse": sums["sq_err"] / max(n, 1.0), "examples": int(n)}
+    r2 = stats.Moments.from_sums(sums["r2"], sums["r2_sq"], n)
+    return {"r2": r2.mean, "r2_stderr": float(r2.stderr), "mse": sums["sq_err"] / max(n, 1.0), "examples": int(n)}

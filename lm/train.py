@@ -3,6 +3,7 @@
 Resumes from the latest complete checkpoint in DIR; on SIGTERM finishes the step, saves, exits 0.
 """
 
+import numbers
 import signal
 import time
 
@@ -119,13 +120,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                               flops.peak_flops(jax.devices()))
   preemption = Preemption()
 
-  def run_eval(step: int) -> dict:
+  def run_eval(step: int, sets=eval_sets) -> dict:
     results = {}
-    for name, batches in eval_sets.items():
+    for name, batches in sets.items():
       start = time.perf_counter()
       result = {**exp.evaluate(state.params, batches()), "tokens_seen": step * tokens_per_step}
       writer.write(step, f"eval/{name}", result)
-      shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items() if k != "tokens_seen")
+      # Numbers only: the loss by position is in the log, too long for the line.
+      shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items()
+                        if k != "tokens_seen" and isinstance(v, numbers.Real))
       print(f"eval {name} at step {step}: {shown} ({time.perf_counter() - start:.1f}s)", flush=True)
       results[name] = result
     return results
@@ -176,7 +179,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       run_eval(step)
   if pending is not None:
     report(pending[0], check(*pending))
-  final = run_eval(steps)
+  final = run_eval(steps, exp.eval_sets(final=True))
   ckpt.wait()
   ckpt.close()
   main_set = next(iter(final.values()))

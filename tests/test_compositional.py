@@ -22,7 +22,7 @@ def tiny(config_module, **model):
   c = config_module.get_config()
   c.model.update(**{**dict(D=16, qkv_dim=8, H=4, L=2, F=32, attention_dropout=0.0), **model})
   c.train.update(instances=8 * 30, batch_size=8, lr=3e-3, warmup_steps=3, log_every_steps=10)
-  c.eval.update(every_steps=1000, batch_size=16, batches=1)
+  c.eval.update(every_steps=1000, batch_size=16, batches=1, final_batches=2)
   c.checkpoint.every_steps = 1000
   return c.copy_and_resolve_references()
 
@@ -100,20 +100,25 @@ def test_single_head_models_train_on_sraven(name):
 
 def test_sraven_end_to_end_with_latent_codes(tmp_path):
   final = train.train_and_evaluate(tiny(sraven_config, attention="hyla"), str(tmp_path))
-  assert set(final) == {"test", "ood"} and final["ood"]["examples"] == 16
+  assert set(final) == {"test", "ood"} and final["ood"]["examples"] == 32  # eval.final_batches
   assert 0 <= final["ood"]["accuracy"] <= final["ood"]["feature_accuracy"] <= 1
-  result = latent.analyse(str(tmp_path), examples=64)
-  assert len(result["ood_decoding_accuracy_per_layer"]) == 2
-  assert all(0 <= a <= 1 for a in result["ood_decoding_accuracy_per_layer"])
+  result = latent.analyse(str(tmp_path), examples=64, paper_examples=96)
+  for protocol in (result, result["paper_code"]):
+    assert len(protocol["ood_decoding_accuracy_per_layer"]) == 2
+    assert all(0 <= a <= 1 for a in protocol["ood_decoding_accuracy_per_layer"])
+  assert result["paper_code"]["examples_per_split"] == 96
   assert json.loads((tmp_path / "latent.json").read_text()) == result
   assert (tmp_path / "latent_embedding.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_fuzzy_ablation_grid_writes_table_and_plot(tmp_path):
+def test_fuzzy_ablation_grid_writes_table_and_plot(tmp_path, monkeypatch):
+  monkeypatch.setitem(latent.PAPER_EXAMPLES, "fuzzy_logic", 64)  # the paper code's probe, smaller
   table = ablate.ablate(tiny(fuzzy_config), str(tmp_path), ["softmax", "hyla"], [0], latent_examples=32)
   assert list(table) == ["softmax", "hyla"] and table["hyla"]["seeds"] == [0]
   runs = json.loads((tmp_path / "results.json").read_text())["runs"]
   assert table["hyla"]["ood"] == (runs[1]["ood"], 0.0)  # one seed: no spread
+  assert runs[1]["latent"]["paper_code"]["examples"] == 64
+  assert runs[1]["latent"]["paper_code"]["term_bits_r2"] <= 1
   md = (tmp_path / "results.md").read_text()
   assert "| hyla | 0 | " in md and "OOD R²" in md
   assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
@@ -128,3 +133,11 @@ def test_lm_latent_on_a_language_model_run_is_a_clear_error(tmp_path):
   result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
   assert result.returncode != 0 and "lm-latent: no checkpoint" in result.stderr
   assert "Traceback" not in result.stderr
+
+
+def test_ridge_r2_of_the_paper_code_protocol():
+  rng = np.random.default_rng(0)
+  x_nf = rng.normal(size=(400, 6))
+  y_nt = np.stack([x_nf @ rng.normal(size=6), rng.normal(size=400)], axis=1)
+  # Target 0 is linear in x (R² near 1), target 1 is noise (R² near 0 or below): the mean of the two.
+  assert latent.ridge_r2(x_nf, y_nt) == pytest.approx(0.5, abs=0.03)

@@ -77,11 +77,11 @@ def test_bidirectional_model_sees_the_future():
 
 def test_relative_buckets_follow_t5():
   rel = jnp.arange(-200, 201)
-  causal = model_lib.relative_bucket(rel, causal=True, num_buckets=32, max_distance=128)
+  causal = model_lib.relative_bucket(rel, bidirectional=False, num_buckets=32, max_distance=128)
   assert int(causal[200]) == 0 and int(causal[199]) == 1        # same position; one step back
   assert np.all(np.asarray(causal[201:]) == 0)                   # the future shares bucket 0
   assert int(causal[0]) == 31 and np.all(np.diff(np.asarray(causal[:201])) <= 0)
-  both = model_lib.relative_bucket(rel, causal=False, num_buckets=32, max_distance=128)
+  both = model_lib.relative_bucket(rel, bidirectional=True, num_buckets=32, max_distance=128)
   assert int(both[201]) == 17 and int(both[199]) == 1 and int(both[400]) == 31
 
 

@@ -1,0 +1,75 @@
+"""Training steps/s of the paper's own code (smonsays/hypernetwork-attention) on this machine.
+
+Runs in its own venv, never in ours (benchmarks/compositional_throughput.py sets both up and
+alternates the two); imports nothing of this repository:
+
+  python benchmarks/paper_code_steps.py --repo=DIR --model=transformer --steps=200
+
+DIR is a checkout of the paper's repository. Its run.py imports two modules that only its
+WikiText runs use (tensorflow, hyla.data.wiki); this script loads a copy of run.py, written next to
+the original as run_guarded.py, in which those two imports are guarded by try/except. Nothing else
+of its code changes. The loop is its Experiment.run's: train_step on its own data loader, metrics
+fetched only at the end, so the device queue is never drained between steps (as with its
+log_every=1000). Prints one JSON line: steps/s after compilation.
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+GUARDED = {
+    "import tensorflow as tf\n": "try:\n    import tensorflow as tf\nexcept ImportError:\n    tf = None\n",
+    "from hyla.data.wiki import create_wikitext_datasets\n":
+        "try:\n    from hyla.data.wiki import create_wikitext_datasets\nexcept ImportError:\n    pass\n",
+}
+
+
+def guarded_run_module(repo: pathlib.Path):
+  source = (repo / "run.py").read_text()
+  for old, new in GUARDED.items():
+    if old not in source:
+      raise SystemExit(f"{repo}/run.py no longer has {old.strip()!r}; update GUARDED in {__file__}")
+    source = source.replace(old, new)
+  (repo / "run_guarded.py").write_text(source)
+  sys.path.insert(0, str(repo))
+  import run_guarded  # noqa: PLC0415  (only importable once the copy exists)
+  return run_guarded
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--repo", required=True)
+  parser.add_argument("--task", default="raven_3x3_4features")
+  parser.add_argument("--model", default="transformer",
+                      help="its sequence mixer: transformer, linear_transformer, linear_hypatt")
+  parser.add_argument("--steps", type=int, default=200)
+  parser.add_argument("--warmup_steps", type=int, default=5, help="untimed steps (compilation)")
+  args = parser.parse_args()
+  run = guarded_run_module(pathlib.Path(args.repo))
+  config_file = "logic.py" if args.task.startswith("logic") else "raven.py"
+  run.FLAGS([f"{args.repo}/run.py", f"--config={args.repo}/configs/{config_file}:{args.task};{args.model}",
+             "--logger=standard"])
+  import jax  # noqa: PLC0415  (after its flags are parsed, as in its run.py)
+
+  config = run.FLAGS.config
+  config.data.num_train = config.batch_size * (args.warmup_steps + args.steps)
+  exp = run.setup(config, logger=[], callbacks=[])
+  state = exp.reset(jax.random.PRNGKey(config.seed))
+  batches = iter(exp.train_loader)
+  for _ in range(args.warmup_steps):
+    state, metrics = exp.train_step(state, next(batches))
+  jax.block_until_ready(metrics)
+  start = time.perf_counter()
+  for _ in range(args.steps):
+    state, metrics = exp.train_step(state, next(batches))
+  jax.block_until_ready(metrics)
+  seconds = time.perf_counter() - start
+  print(json.dumps({"code": "paper", "model": args.model, "steps": args.steps,
+                    "steps_per_s": args.steps / seconds, "loss": float(metrics["loss"]),
+                    "jax": jax.__version__}))
+
+
+if __name__ == "__main__":
+  main()

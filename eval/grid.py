@@ -1,0 +1,296 @@
+"""The grid runner: attention presets x seeds x config values, one process and workdir per point.
+
+`lm-grid --config=FILE --root=DIR [--presets=softmax,linear,hyla] [--seeds=0,1]
+ [--grid=train.lr=1e-3,3e-3,1e-2 ...] [--config.a.b=v | --config.a.b v ...]`
+
+Every point trains with lm-train into ROOT/<preset>_seed<seed>[_<field>=<value>...]; its results
+(the trainer's final evaluation, and for the compositional tasks lm-latent's latent-code decoding)
+go to ROOT/<point>/point.json. Rerunning the
+same command keeps finished points and resumes interrupted ones from their checkpoints. The summary
+(eval/grid_summary.py) goes to ROOT/summary.md, summary.json and the plots beside them.
+`lm-sweep` and `lm-ablate` are this command too (their old flags --attentions and --workdir still work).
+"""
+
+import itertools
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.parse
+
+import ml_collections
+from absl import flags, logging
+from etils import epath
+from ml_collections import config_flags
+
+from eval import compare, grid_summary
+from lm import attention, checkpointing, cli, metrics
+
+FLAGS = flags.FLAGS
+COMPOSITIONAL = ("sraven", "fuzzy_logic")
+AXES_OWNED = {"model.attention": "--presets", "seed": "--seeds"}
+
+
+class GridError(ValueError):
+  """Bad input found before any training."""
+
+
+def normalize_overrides(argv: list[str], flag_values=FLAGS) -> list[str]:
+  """The `--config.a.b` overrides of argv, each as one `--config.a.b=v` argument. The space form
+  (`--config.a.b v`) takes the next argument as its value, as absl does, except for booleans."""
+  out, args = [], iter(argv)
+  for arg in args:
+    name = arg.lstrip("-").split("=", 1)[0]
+    if not (name.startswith("config.") or name.startswith("noconfig.")) or not arg.startswith("--"):
+      continue
+    if "=" in arg or name.startswith("no") or flag_values[name].boolean:
+      out.append(arg)
+    else:
+      value = next(args, None)
+      if value is None:
+        raise GridError(f"{arg} has no value; write {arg}=VALUE")
+      out.append(f"{arg}={value}")
+  return out
+
+
+def parse_config(config_file: str, overrides: list[str]) -> ml_collections.ConfigDict:
+  """The config lm-train builds from the same arguments (the same parser, so the same result)."""
+  if not epath.Path(config_file).is_file():
+    raise GridError(f"no config file {config_file}; give --config=configs/NAME.py (or your own file)")
+  argv = ["lm-train", f"--config={config_file}", *overrides]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=fv, sys_argv=argv)
+  try:
+    fv(argv)
+  except (AttributeError, KeyError) as e:  # a field the config does not have
+    hint = re.search(r'Did you mean "([^"]+)"', str(e))
+    plain = parse_config(config_file, [])
+    field = next((f for f in map(_field, overrides) if not _has(plain, f)), "?")
+    raise GridError(f"{config_file} has no field {field}" + (f" (did you mean {hint[1]}?)" if hint else "")
+                    + "; fix the --config or --grid field name") from e
+  except (flags.Error, ValueError, TypeError) as e:
+    raise GridError(f"{' '.join(str(e).split())}; fix the value or the field name") from e
+  if not isinstance(fv.config, ml_collections.ConfigDict):
+    raise GridError(f"{config_file} does not load: {fv.config}; its get_config() must return a ConfigDict")
+  return fv.config
+
+
+def _field(override: str) -> str:
+  return override.lstrip("-").split("=", 1)[0].removeprefix("no").removeprefix("config.")
+
+
+def _has(config, field: str) -> bool:
+  for part in field.split("."):
+    if not isinstance(config, ml_collections.ConfigDict) or part not in config:
+      return False
+    config = config[part]
+  return True
+
+
+def parse_axes(specs: list[str]) -> dict[str, list[str]]:
+  """`field=v1,v2,...` flags -> {field: [values as given]}."""
+  axes = {}
+  for spec in specs:
+    field, sep, values = spec.partition("=")
+    field = field.removeprefix("config.")
+    values = [v.strip() for v in values.split(",") if v.strip()]
+    if not sep or not field or not values:
+      raise GridError(f"--grid={spec} is not FIELD=V1,V2,...; e.g. --grid=train.lr=1e-3,3e-3,1e-2")
+    if field in AXES_OWNED:
+      raise GridError(f"--grid={spec}: give {field} values with {AXES_OWNED[field]}")
+    if field in axes:
+      raise GridError(f"--grid names {field} twice; give all its values in one --grid={field}=V1,V2")
+    if len(set(values)) < len(values):
+      raise GridError(f"--grid={spec} repeats a value")
+    axes[field] = values
+  return axes
+
+
+def point_name(preset: str, seed: int, values: dict[str, str]) -> str:
+  parts = [preset, f"seed{seed}"] + [f"{k}={urllib.parse.quote(v, safe='')}" for k, v in values.items()]
+  return "_".join(parts)
+
+
+def plan(config_file: str, overrides: list[str], presets: list[str], seeds: list[str],
+         axes: dict[str, list[str]]) -> tuple[ml_collections.ConfigDict, list[dict]]:
+  """The grid's base config and its points, each with its lm-train arguments and parsed config.
+  Every problem of the input is found here, before anything trains."""
+  unknown = [p for p in presets if p not in attention.PRESETS]
+  if not presets or unknown:
+    raise GridError(f"unknown attention preset {', '.join(map(repr, unknown)) or '(none given)'}; "
+                    f"choose from: {', '.join(attention.PRESETS)}")
+  if len(set(presets)) < len(presets) or len(set(seeds)) < len(seeds):
+    raise GridError("--presets and --seeds must not repeat a value")
+  try:
+    seeds = [int(s) for s in seeds]
+  except ValueError as e:
+    raise GridError(f"--seeds={','.join(seeds)}: seeds are integers, e.g. --seeds=0,1") from e
+  if not seeds:
+    raise GridError("--seeds is empty; give at least one, e.g. --seeds=0")
+  for o in overrides:
+    field = _field(o)
+    if field in AXES_OWNED or field in axes:
+      flag = AXES_OWNED.get(field, f"--grid={field}=...")
+      raise GridError(f"{o} fixes a field the grid varies; give its values with {flag} only")
+  base = parse_config(config_file, overrides)
+  if base.task not in grid_summary.METRICS:
+    raise GridError(f"task {base.task!r} has no grid summary; lm-grid runs: {', '.join(grid_summary.METRICS)}")
+  points = []
+  for combo in itertools.product(*axes.values()):
+    values = dict(zip(axes, combo))
+    for seed in seeds:
+      for preset in presets:
+        args = [*overrides, f"--config.model.attention={preset}", f"--config.seed={seed}",
+                *(f"--config.{k}={v}" for k, v in values.items())]
+        points.append({"name": point_name(preset, seed, values), "preset": preset, "seed": seed,
+                       "values": values, "args": args, "config": parse_config(config_file, args)})
+  return base, points
+
+
+def _differences(saved: dict, current: dict) -> str:
+  return "; ".join(f"{k}: {a!r} there, {b!r} here" for k, a, b in checkpointing.differences(saved, current)[:4])
+
+
+def check_root(root: epath.Path, base: ml_collections.ConfigDict, axes: list[str],
+               points: list[dict]) -> None:
+  """ROOT holds this grid's runs only: its manifest names the same base config, and every existing
+  point was trained with the config this grid gives it."""
+  manifest = root / "grid.json"
+  here = json.loads(base.to_json())
+  if manifest.exists():
+    saved = json.loads(manifest.read_text())
+    if checkpointing.differences(saved["base_config"], here):
+      raise GridError(f"{root} holds another grid's runs ({saved['config_file']}; "
+                      f"{_differences(saved['base_config'], here)}); use a new --root, or the same "
+                      f"config and overrides ({' '.join(saved['overrides']) or 'none'})")
+    if saved["axes"] != axes:
+      raise GridError(f"{root} holds a grid over {', '.join(saved['axes']) or 'presets and seeds only'}; "
+                      f"give --grid for exactly those fields (any values), or use a new --root")
+  elif root.exists() and any(root.iterdir()):
+    raise GridError(f"{root} is not empty and has no grid.json: it is not a grid's root; use a new or "
+                    f"empty --root")
+  for p in points:
+    saved = root / p["name"] / "config.json"
+    mine = json.loads(p["config"].to_json())
+    if saved.exists() and checkpointing.differences(json.loads(saved.read_text()), mine):
+      raise GridError(f"{saved.parent} was trained with another config "
+                      f"({_differences(json.loads(saved.read_text()), mine)}); move it away or use a "
+                      f"new --root")
+
+
+def write_manifest(root: epath.Path, config_file: str, overrides: list[str], axes: list[str],
+                   base: ml_collections.ConfigDict) -> None:
+  root.mkdir(parents=True, exist_ok=True)
+  if not (root / "grid.json").exists():
+    (root / "grid.json").write_text(json.dumps(
+        {"config_file": config_file, "overrides": overrides, "axes": axes,
+         "base_config": json.loads(base.to_json())},
+        indent=1))
+
+
+def _run(module_and_args: list[str]) -> None:
+  """Runs `python -m module args` with this Python, its output shown as it comes."""
+  result = subprocess.run([sys.executable, "-m", *module_and_args])
+  if result.returncode:
+    raise SystemExit(f"lm-grid: `{' '.join(module_and_args)}` failed (exit {result.returncode}); fix "
+                     f"the cause and rerun the same command: finished points are kept, this one resumes")
+
+
+def point_results(workdir: epath.Path, config: ml_collections.ConfigDict) -> dict:
+  """The trainer's final evaluation of every set the summary reports (and the latent decoding of
+  the compositional tasks)."""
+  sets = {}
+  for where in dict.fromkeys(where for _, where, _ in grid_summary.METRICS[config.task]):
+    if where == "latent":
+      probe = json.loads((workdir / "latent.json").read_text())
+      sets[where] = {"decoding": probe["ood_decoding_accuracy_per_layer"][-1], **probe}
+      continue
+    last = compare.read_run(str(workdir), where)["evals"][-1]
+    if last["step"] != config.train.steps:
+      raise ValueError(f"{workdir} has no final {where} evaluation at step {config.train.steps}; rerun "
+                       f"the same command to resume it")
+    sets[where] = last
+  return sets
+
+
+def run_point(p: dict, workdir: epath.Path, config_file: str, latent_examples: int) -> None:
+  config = p["config"]
+  _run(["lm.train", f"--config={config_file}", f"--workdir={workdir}", *p["args"]])
+  if config.task in COMPOSITIONAL:
+    _run(["eval.latent", f"--workdir={workdir}", f"--examples={latent_examples}"])
+  result = {k: p[k] for k in ("name", "preset", "seed", "values")}
+  result.update(task=config.task, step=config.train.steps,
+                train_seconds=compare.wall_seconds(str(workdir)),
+                results=point_results(workdir, config))
+  (workdir / "point.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+def done(workdir: epath.Path, steps: int) -> dict | None:
+  path = workdir / "point.json"
+  if path.exists():
+    result = json.loads(path.read_text())
+    if result["step"] == steps:
+      return result
+  return None
+
+
+def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list[str],
+         axes: dict[str, list[str]], root: str, latent_examples: int = 1024) -> str:
+  """Trains every point not yet done, then writes the summary; returns its markdown."""
+  root = epath.Path(root)
+  base, points = plan(config_file, overrides, presets, seeds, axes)
+  check_root(root, base, list(axes), points)
+  write_manifest(root, config_file, overrides, list(axes), base)
+  n, trained_seconds, trained = len(points), 0.0, 0
+  for i, p in enumerate(points, 1):
+    workdir = root / p["name"]
+    finished = done(workdir, p["config"].train.steps)
+    if finished is None:
+      left = sum(done(root / q["name"], q["config"].train.steps) is None for q in points[i - 1:])
+      eta = f"ETA {metrics.format_duration(trained_seconds / trained * left)}" if trained else "ETA after this point"
+      print(f"grid: point {i} of {n}: {p['name']} ({left} to train, {eta})", flush=True)
+      start = time.perf_counter()
+      run_point(p, workdir, config_file, latent_examples)
+      trained_seconds += time.perf_counter() - start
+      trained += 1
+    else:
+      print(f"grid: point {i} of {n}: {p['name']} is done (step {finished['step']}); kept", flush=True)
+  return grid_summary.write(root, config_file, list(axes))
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise SystemExit(f"lm-grid: unexpected argument {argv[1]!r}; every option is a --flag")
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  start = time.perf_counter()
+  try:
+    text = grid(config_flags.get_config_filename(FLAGS["config"]), normalize_overrides(sys.argv[1:]),
+                FLAGS.presets, FLAGS.seeds, parse_axes(FLAGS.grid), FLAGS.root, FLAGS.latent_examples)
+  except (ValueError, FileNotFoundError) as e:
+    raise SystemExit(f"lm-grid: {e}") from e
+  print(text, end="")
+  print(f"grid: {FLAGS.root}/summary.md, summary.json and plots written "
+        f"({time.perf_counter() - start:.0f}s in this invocation)")
+
+
+def run():
+  # Defined here, not on import: tests import this module next to lm.train, which defines --config.
+  config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
+  flags.DEFINE_string("root", None, "Directory holding one workdir per grid point and the summary.")
+  flags.DEFINE_list("presets", ["softmax", "linear", "hyla"], "Attention presets (lm.attention.PRESETS).")
+  flags.DEFINE_list("seeds", ["0"], "Seeds; a seed fixes the initialisation and the data order.")
+  flags.DEFINE_multi_string("grid", [], "FIELD=V1,V2,...: an axis of config values, e.g. "
+                            "train.lr=1e-3,3e-3,1e-2; repeat the flag for more axes.")
+  flags.DEFINE_integer("latent_examples", 1024, "Instances per split for the latent-code probe "
+                       "(compositional tasks).")
+  # The names lm-sweep and lm-ablate used.
+  flags.DEFINE_alias("attentions", "presets")
+  flags.DEFINE_alias("workdir", "root")
+  flags.mark_flags_as_required(["config", "root"])
+  cli.run(main, __name__)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,184 @@
+"""The grid's summary: per variant the best config value, mean ± standard error over seeds, paired
+differences between variants, a sensitivity plot and the curves of the best points.
+
+Hyperparameters are chosen on an in-distribution held-out loss (validation loss; the compositional
+tasks' test-split loss), never on the OOD metric they are compared by.
+"""
+
+import json
+
+import matplotlib
+from etils import epath
+
+from eval import compare
+from lm import stats
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
+
+# Per task: the columns reported, as (label, evaluation set, key); the first one is the headline.
+METRICS = {
+    "lm": [("validation loss", "validation", "loss"), ("perplexity", "validation", "perplexity"),
+           ("bits per byte", "validation", "bits_per_byte")],
+    "sraven": [("OOD accuracy", "ood", "accuracy"), ("test accuracy", "test", "accuracy"),
+               ("final-layer OOD rule decoding", "latent", "decoding"), ("test loss", "test", "loss")],
+    "fuzzy_logic": [("OOD R²", "ood", "r2"), ("test R²", "test", "r2"),
+                    ("final-layer OOD term decoding", "latent", "decoding"), ("test MSE", "test", "mse")],
+}
+# What the best config value minimises.
+SELECT = {"lm": ("validation", "loss"), "sraven": ("test", "loss"), "fuzzy_logic": ("test", "mse")}
+
+
+def load_points(root: epath.Path) -> list[dict]:
+  """Every finished point in root at the step its workdir's config trains to."""
+  points = []
+  for path in sorted(root.glob("*/point.json")):
+    point = json.loads(path.read_text())
+    steps = json.loads((path.parent / "config.json").read_text())["train"]["steps"]
+    if point["step"] == steps:
+      points.append(point)
+  return points
+
+
+def _value(point: dict, where: str, key: str) -> float:
+  return point["results"][where][key]
+
+
+def _cell(mean: float, se: float | None, digits: int = 4) -> str:
+  return f"{mean:.{digits}f}" + ("" if se is None else f" ± {se:.{digits}f}")
+
+
+def group(points: list[dict], task: str) -> list[dict]:
+  """One row per (preset, config values): the seeds and mean ± s.e. of every metric."""
+  rows = {}
+  for p in points:
+    rows.setdefault((p["preset"], json.dumps(p["values"])), []).append(p)
+  out = []
+  for (preset, values), mine in rows.items():
+    mine.sort(key=lambda p: p["seed"])
+    row = {"preset": preset, "values": json.loads(values), "seeds": [p["seed"] for p in mine],
+           "points": [p["name"] for p in mine],
+           "select": stats.mean_stderr([_value(p, *SELECT[task]) for p in mine])}
+    for label, where, key in METRICS[task]:
+      row[label] = stats.mean_stderr([_value(p, where, key) for p in mine])
+    out.append(row)
+  return out
+
+
+def best(rows: list[dict]) -> dict[str, dict]:
+  """Per preset, its row with the lowest mean selection loss."""
+  chosen = {}
+  for row in rows:
+    if row["preset"] not in chosen or row["select"][0] < chosen[row["preset"]]["select"][0]:
+      chosen[row["preset"]] = row
+  return chosen
+
+
+def paired(chosen: dict[str, dict], points: list[dict], task: str) -> list[dict]:
+  """For every pair of presets at their best values: per seed both ran, the difference of each
+  metric (same seed, so the same initialisation stream and data order); mean ± s.e. over seeds."""
+  by_name = {p["name"]: p for p in points}
+  out, presets = [], list(chosen)
+  for i, a in enumerate(presets):
+    for b in presets[i + 1:]:
+      runs_a = {by_name[n]["seed"]: by_name[n] for n in chosen[a]["points"]}
+      runs_b = {by_name[n]["seed"]: by_name[n] for n in chosen[b]["points"]}
+      seeds = sorted(set(runs_a) & set(runs_b))
+      if not seeds:
+        continue
+      row = {"a": a, "b": b, "seeds": seeds}
+      for label, where, key in METRICS[task]:
+        row[label] = stats.mean_stderr([_value(runs_a[s], where, key) - _value(runs_b[s], where, key)
+                                        for s in seeds])
+      out.append(row)
+  return out
+
+
+def _resolved(mean: float, se: float | None) -> str:
+  if se is None:
+    return "one seed: no error bar"
+  return "yes" if abs(mean) > 2 * se else "no"
+
+
+def markdown(task: str, config_file: str, axes: list[str], rows: list[dict], chosen: dict,
+             pairs: list[dict], plots: list[str]) -> str:
+  labels = [m[0] for m in METRICS[task]]
+  fmt_values = lambda v: ", ".join(f"{k}={x}" for k, x in v.items()) or "(config as given)"
+  lines = [f"# Grid summary: {task}, {config_file}", "",
+           "Mean ± standard error over seeds (a single seed has no error bar). The best value per "
+           f"variant minimises the mean {' '.join(SELECT[task])}.", "",
+           "## Every grid point", "",
+           "| attention | values | seeds | " + " | ".join(labels) + " |",
+           "|---|---|---|" + "---|" * len(labels)]
+  for r in rows:
+    lines.append(f"| {r['preset']} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | "
+                 + " | ".join(_cell(*r[l]) for l in labels) + " |")
+  lines += ["", f"## Each variant at its best {', '.join(axes) or 'config'}", "",
+            "| attention | best | seeds | " + " | ".join(labels) + " |",
+            "|---|---|---|" + "---|" * len(labels)]
+  for preset, r in chosen.items():
+    lines.append(f"| {preset} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | "
+                 + " | ".join(_cell(*r[l]) for l in labels) + " |")
+  if pairs:
+    lines += ["", "## Paired differences (A − B, same seeds, each at its best value)", "",
+              "| A − B | seeds | " + " | ".join(f"Δ {l}" for l in labels)
+              + f" | Δ {labels[0]} resolved (\\|Δ\\| > 2 s.e.) |",
+              "|---|---|" + "---|" * (len(labels) + 1)]
+    for p in pairs:
+      lines.append(f"| {p['a']} − {p['b']} | {', '.join(map(str, p['seeds']))} | "
+                   + " | ".join(_cell(*p[l]) for l in labels) + f" | {_resolved(*p[labels[0]])} |")
+  lines += [""] + [f"![{name}]({name})" for name in plots]
+  return "\n".join(lines) + "\n"
+
+
+def sensitivity_plot(rows: list[dict], axis: str, task: str, path: epath.Path) -> bool:
+  """The selection loss against a numeric axis, one line per preset (and other axes' values)."""
+  try:
+    xs = {r["values"][axis]: float(r["values"][axis]) for r in rows}
+  except ValueError:
+    return False
+  lines = {}
+  for r in rows:
+    others = ", ".join(f"{k}={v}" for k, v in r["values"].items() if k != axis)
+    lines.setdefault(r["preset"] + (f" ({others})" if others else ""), []).append(r)
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for label, mine in lines.items():
+    mine.sort(key=lambda r: xs[r["values"][axis]])
+    se = [r["select"][1] or 0.0 for r in mine]
+    ax.errorbar([xs[r["values"][axis]] for r in mine], [r["select"][0] for r in mine], yerr=se,
+                marker="o", capsize=3, label=label)
+  positive = min(xs.values()) > 0
+  ax.set(xlabel=axis, ylabel=f"final {' '.join(SELECT[task])}",
+         xscale="log" if positive and max(xs.values()) / min(xs.values()) >= 10 else "linear")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def write(root: epath.Path, config_file: str, axes: list[str]) -> str:
+  """Writes root/summary.md, summary.json and the plots from every finished point in root."""
+  points = load_points(root)
+  if not points:
+    raise ValueError(f"{root} has no finished grid point to summarise")
+  task = points[0]["task"]
+  rows = group(points, task)
+  chosen = best(rows)
+  pairs = paired(chosen, points, task)
+  plots = []
+  for axis in axes:
+    name = f"sensitivity_{axis}.png"
+    if sensitivity_plot(rows, axis, task, root / name):
+      plots.append(name)
+  if task == "lm":
+    # Validation curves (tokens, FLOPs, wall clock) and loss by position of each variant's best runs.
+    compare.compare([str(root / n) for r in chosen.values() for n in r["points"]], str(root / "curves.png"))
+    plots += ["curves.png"] + (["curves_positions.png"] if (root / "curves_positions.png").exists() else [])
+  text = markdown(task, config_file, axes, rows, chosen, pairs, plots)
+  (root / "summary.md").write_text(text)
+  (root / "summary.json").write_text(json.dumps(
+      {"task": task, "config_file": config_file, "axes": axes, "select": SELECT[task],
+       "rows": rows, "best": chosen, "paired": pairs, "points": points}, indent=1))
+  return text
