@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from data_pipelines import pipeline
-from lm import checkpointing, cli, flops, metrics
+from lm import checkpointing, cli, compilation_cache, flops, goodput, metrics, wandb_log, watchdog
 from lm.experiment import Experiment
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
@@ -88,6 +88,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: epath.Path):
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (or resumes) to config.train.steps and returns the final evaluation metrics."""
   workdir = epath.Path(workdir)
+  clock = goodput.Clock()
+  compilation_cache.enable(config.compilation_cache, workdir)
   try:
     exp, data, ckpt, latest = _setup(config, workdir)
   except (ValueError, FileNotFoundError) as e:
@@ -104,6 +106,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         f"{procs} process{'es' * (procs > 1)}, {devices} device{'s' * (devices > 1)}, "
         f"mesh {dict(exp.mesh.shape)}", flush=True)
 
+  clock.enter("restoring")
   if latest is None:
     state = exp.init_state()
   else:
@@ -113,14 +116,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   first = int(jax.device_get(state.step))
   eval_sets = exp.eval_sets()
   writer = metrics.Writer(workdir, enabled=is_main)
+  if is_main and config.metrics.wandb_project:
+    writer = wandb_log.Tee(writer, config.metrics, workdir, config.to_dict())
   # What lm-compare labels the run with; written on every (re)start, so the log alone describes it.
   writer.write(first, "run", {"attention": exp.model_cfg.attention, "num_params": exp.num_params,
                               "tokens_per_step": tokens_per_step})
   progress = metrics.Progress(steps, tokens_per_step, first, flops_per_token,
                               flops.peak_flops(jax.devices()))
   preemption = Preemption()
+  clock.enter("training")
 
   def run_eval(step: int, sets=eval_sets) -> dict:
+    watchdog.compiling(f"evaluation at step {step}")
+    clock.enter("evaluating")
     results = {}
     for name, batches in sets.items():
       start = time.perf_counter()
@@ -131,10 +139,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                         if k != "tokens_seen" and isinstance(v, numbers.Real))
       print(f"eval {name} at step {step}: {shown} ({time.perf_counter() - start:.1f}s)", flush=True)
       results[name] = result
+    clock.enter("training")
     return results
 
   def check(step: int, stats: dict) -> dict:
     stats = {k: float(v) for k, v in jax.device_get(stats).items()}
+    watchdog.step_done()
     if not stats.pop("finite"):
       message = (f"non-finite loss {stats['loss']} or gradient norm {stats['grad_norm']} at step "
                  f"{step}; the update was not applied")
@@ -148,6 +158,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   def report(step: int, stats: dict) -> None:
     stats.update(progress.report(step, stats["loss"]))
     writer.write(step, "train", {**stats, "tokens_seen": step * tokens_per_step})
+    writer.write(step, "goodput", clock.totals())
 
   pending = None  # (step, stats) of the previous step, read after the next one is dispatched
   for step in range(first + 1, steps + 1):
@@ -167,11 +178,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if step % config.train.log_every_steps == 0 or step == steps:
         report(step, stats)
       pending = None
+      clock.enter("checkpointing")
       start = time.perf_counter()
       ckpt.save(step, state, data.shards, config, force=True)
       writer.write(step, "checkpoint", {"seconds_blocked": time.perf_counter() - start})
+      clock.enter("training")
     if stop:
+      clock.enter("checkpointing")
       ckpt.wait()
+      writer.write(step, "goodput", clock.totals())
       print(f"preempted: saved the checkpoint at step {step}; exiting", flush=True)
       ckpt.close()
       raise SystemExit(0)
@@ -180,7 +195,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if pending is not None:
     report(pending[0], check(*pending))
   final = run_eval(steps, exp.eval_sets(final=True))
+  clock.enter("checkpointing")
   ckpt.wait()
+  writer.write(steps, "goodput", clock.totals())
+  clock.close()
   ckpt.close()
   main_set = next(iter(final.values()))
   if "perplexity" in main_set:
@@ -195,6 +213,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     # Libraries (orbax, jax) log every save and compile at INFO; the progress line says enough.
     logging.set_verbosity(logging.WARNING)
+  watchdog.start(_CONFIG.value.watchdog)  # First: joining the other processes can hang too.
   if _JAX_DISTRIBUTED.value:
     jax.distributed.initialize()
   elif _COORDINATOR.value:

@@ -75,8 +75,11 @@ def test_two_processes_match_one_and_restart_exactly_after_sigkill(small_corpus,
   assert result.returncode == 0, result.stderr[-3000:]
 
   env = {**os.environ, "PYTHONPATH": HERE}
+  # One compilation cache for the two-process runs: only the first compiles (and the bitwise
+  # comparison below covers programs loaded from the cache too).
   launch = lambda workdir, *flags: [sys.executable, "-m", "launch.cli", "processes", "-n", "2",
-                                    "--xla_devices", "4", *flags, "--", *train(workdir)]
+                                    "--xla_devices", "4", *flags, "--", *train(workdir),
+                                    f"--config.compilation_cache={tmp_path / 'cache'}"]
   two = tmp_path / "two_processes"
   result = subprocess.run(launch(two), capture_output=True, text=True, env=env, timeout=600)
   assert result.returncode == 0, result.stdout[-3000:]
