@@ -15,7 +15,7 @@ import time
 import jax
 from absl import app, flags
 
-from lm import attention, attention_softmax
+from lm import attention
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("seq_lens", ["256", "512", "1024", "2048", "4096", "8192"], "Sequence lengths.")
@@ -55,13 +55,19 @@ def _ratio(r: float) -> str:
 
 
 def auto_impl(preset: str) -> str:
-  knobs = attention.preset(preset)
-  impl = attention.choose_impl(knobs["normalization"], knobs["value_network"], causal=True, bias=None)
-  if impl != "auto":
-    return impl
-  if jax.default_backend() == "cpu":
-    return f"dot_product below {attention_softmax.CPU_BLOCKED_FROM} tokens, blocked from there"
-  return "pallas" if jax.default_backend() == "tpu" else "dot_product"
+  """What impl auto runs for `preset` on this platform at the benchmarked lengths."""
+  platform = jax.default_backend() if jax.default_backend() in attention.PLATFORMS else "gpu"
+  knobs = attention.Knobs(**attention.preset(preset))
+  runs = []  # [impl, first length, last length]
+  for t in map(int, FLAGS.seq_lens):
+    impl = attention.choose_impl(knobs, attention.Call(t, t, True, False, False))[platform]
+    if runs and runs[-1][0] == impl:
+      runs[-1][2] = t
+    else:
+      runs.append([impl, t, t])
+  if len(runs) == 1:
+    return runs[0][0]
+  return ", ".join(f"{impl} from {first} to {last} tokens" for impl, first, last in runs)
 
 
 def main(argv):

@@ -47,7 +47,7 @@ PAPER_EXAMPLES = {"sraven": 51_200, "fuzzy_logic": 16_000}  # the paper code's c
 def codes_fn(config, params):
   """inputs [B, T, I] -> per-layer normalised scores, a list of [B, H, T, T] numpy arrays."""
   model = model_lib.Transformer(model_lib.ModelConfig.from_dict(config.model.to_dict()))
-  apply = jax.jit(lambda x: model.apply({"params": params}, x, return_codes=True)[1])
+  apply = jax.jit(lambda x: model_lib.latent_codes(model, params, x))
   return lambda inputs: [np.asarray(c) for c in apply(inputs)]
 
 

@@ -1,39 +1,34 @@
-"""The attention core shared by every variant (DESIGN.md, "one core, two knobs").
+"""Attention: the named variants, the knobs, and the one table of implementations.
 
-q, k, v: [batch, seq, heads, head_dim] → out like q, in three steps:
-  1. scores  s_bhqk = q·k / sqrt(d) + bias, masked by causality and packed-document segments;
-  2. normalisation σ: softmax over keys, none, or rms_head (RMS over the head axis per (q, k));
-  3. value network: linear, out_bqhd = Σ_k a_bhqk v_bkhd; or hypernetwork,
-     z_bkqd = Σ_h a_bhqk v_bkhd, out_bqhd = Σ_k a_bhqk φ(z_bkqd).
+`attend(q, k, v, *, normalization, value_network, ...)` maps q, k, v [batch, seq, heads, head_dim] to
+[batch, seq, heads, head_dim] by the core defined in lm/attention_core.py (scores, normalisation,
+dropout, value network), through the implementation `impl` names. `IMPLS` below says what each
+implementation supports; validation (`check`), the choice of `impl="auto"` (`choose_impl`) and dispatch
+read it and nothing else. `impl="reference"` is the literal definition, the ground truth the others are
+tested against; `auto` takes, per platform, the first row of the table that supports the call.
 
-`impl="reference"` is the literal einsum definition and the ground truth faster kernels are tested against.
-The others compute the same function without the [b, h, t, t] / [b, t, t, d] tensors (see `IMPLS`);
-`impl="auto"` picks the fastest one that applies to the knobs, shapes and platform.
+Where a change goes:
+  - a new normalisation: its name in attention_core.NORMALIZATIONS and its branch in
+    attention_core.normalize, plus its numpy version in tests/test_attention.py (`_np_scores`). The
+    kernel tests run every normalisation already. One that couples keys as softmax does needs its row
+    statistics in the blocked kernel (as `_lse` does for softmax): the blocked tests fail until then.
+  - a new value network: attention_core.VALUE_NETWORKS (with its products per (query, key) pair, which
+    lm/flops.py counts) and its branch in attention_core.apply_value_network, plus a test in
+    tests/test_attention.py that builds it explicitly. A new φ: attention_core.NONLINEARITIES.
+  - a new named variant: a row of PRESETS (the model config's `attention` names one).
+  - a new implementation: a module lm/attention_<name>.py that imports only lm/attention_core.py, a
+    row of IMPLS stating what it supports and where `auto` may take it, and its comparison with the
+    reference (values and gradients) in tests/test_attention_fast.py.
 """
 
-from typing import Callable
+import functools
+from typing import Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
-from lm import attention_blocked, attention_linear, attention_softmax
-
-NORMALIZATIONS = ("softmax", "none", "rms_head")
-VALUE_NETWORKS = ("linear", "hypernetwork")
-NONLINEARITIES: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "relu": jax.nn.relu,
-    "gelu": jax.nn.gelu,
-    "silu": jax.nn.silu,
-    "sigmoid": jax.nn.sigmoid,
-    "tanh": jnp.tanh,
-    "identity": lambda x: x,
-}
-# auto: chosen per call by `choose_impl`; reference: the einsum definition; blocked: tiled, every knob
-# setting (lm/attention_blocked.py); chunked: causal linear attention in O(t·d²) (lm/attention_linear.py);
-# dot_product: jax.nn.dot_product_attention, softmax only (XLA, or cuDNN on GPU); pallas: the TPU flash
-# attention kernel, softmax only (lm/attention_softmax.py).
-IMPLS = ("auto", "reference", "blocked", "chunked", "dot_product", "pallas")
-RMS_HEAD_EPS = 1e-6
+from lm import attention_blocked, attention_core as core, attention_linear, attention_softmax, sharding
+from lm.attention_core import (NONLINEARITIES, NORMALIZATIONS, VALUE_NETWORKS,  # noqa: F401  (public)
+                               Knobs, normalized_scores)
 
 # Paper section 2: the three main variants and the ablations, each a full setting of the knobs.
 PRESETS: dict[str, dict[str, str]] = {
@@ -57,145 +52,146 @@ def preset(name: str) -> dict[str, str]:
   return {"nonlinearity": "relu", **PRESETS[name]}
 
 
-def check_knobs(normalization: str, value_network: str, nonlinearity: str, impl: str) -> None:
-  for what, value, valid in (("normalization", normalization, NORMALIZATIONS),
-                             ("value_network", value_network, VALUE_NETWORKS),
-                             ("nonlinearity", nonlinearity, tuple(NONLINEARITIES)),
-                             ("impl", impl, IMPLS)):
-    if value not in valid:
-      raise ValueError(f"unknown attention {what} {value!r}; choose one of: {', '.join(valid)}")
-  if impl == "chunked" and (normalization, value_network) != ("none", "linear"):
-    raise ValueError(f"attention impl 'chunked' computes linear attention only (normalization none, "
-                     f"value_network linear), not {normalization}/{value_network}; use impl 'auto' or "
-                     f"'blocked'")
-  if impl in ("dot_product", "pallas") and (normalization, value_network) != ("softmax", "linear"):
-    raise ValueError(f"attention impl {impl!r} computes softmax attention only, not "
-                     f"{normalization}/{value_network}; use impl 'auto' or 'blocked'")
+class Impl(NamedTuple):
+  """An implementation and what it supports. `fn(q, k, v, *, segment_ids, ...)` takes exactly what
+  its row supports: `knobs` when it computes every setting, `causal` when it is bidirectional too,
+  `bias`, and `dropout_rate` with `dropout_rng`."""
+  fn: Callable[..., jax.Array]
+  auto: dict[str, int | None]    # platform → the longest length `auto` takes it for (None: any)
+  computes: str | None = None    # the one preset whose normalisation and value network it computes
+  bidirectional: bool = True
+  bias: bool = True
+  dropout: bool = True
+  cross: bool = False            # query and key lengths may differ
+  tile: int = 1                  # lengths must be multiples of this
+  memory_linear: bool = True     # training memory linear in the sequence length
 
 
-def pair_mask(q_pos_q: jax.Array, k_pos_k: jax.Array, *, causal: bool,
-              q_segment_ids_bq: jax.Array | None = None,
-              k_segment_ids_bk: jax.Array | None = None) -> jax.Array | None:
-  """Boolean [batch or 1, 1, q, k] mask of allowed pairs among the given positions, or None when
-  everything is allowed."""
-  mask = None
-  if causal:
-    mask = (q_pos_q[:, None] >= k_pos_k[None, :])[None, None]
-  if q_segment_ids_bq is not None:
-    same_bqk = q_segment_ids_bq[:, :, None] == k_segment_ids_bk[:, None, :]
-    mask = same_bqk[:, None] if mask is None else mask & same_bqk[:, None]
-  return mask
+# Platforms `auto` chooses for; "gpu" is lax.platform_dependent's default branch (cuda, rocm).
+PLATFORMS = ("cpu", "tpu", "gpu")
+ANYWHERE = {p: None for p in PLATFORMS}
+# On CPU, XLA's softmax attention beats the blocked kernel below this length and loses from it on
+# (benchmarks/attention.py).
+CPU_BLOCKED_FROM = 1024
+
+# Table order is auto's preference.
+IMPLS: dict[str, Impl] = {
+    # The Pallas TPU flash-attention kernel (lm/attention_softmax.py), in a shard_map over the mesh.
+    "pallas": Impl(functools.partial(attention_softmax.attend_pallas, batch_axes=sharding.BATCH),
+                   computes="softmax", dropout=False, tile=attention_softmax.PALLAS_BLOCK,
+                   auto={"tpu": None}),
+    # Causal linear attention in O(t·d²) (lm/attention_linear.py).
+    "chunked": Impl(attention_linear.attend_chunked, computes="linear", bidirectional=False, bias=False,
+                    dropout=False, auto=ANYWHERE),
+    # jax.nn.dot_product_attention: XLA's fusion, or cuDNN's flash attention on GPU.
+    "dot_product": Impl(attention_softmax.attend_dot_product, computes="softmax", dropout=False,
+                        memory_linear=False, auto={"cpu": CPU_BLOCKED_FROM - 1, "gpu": None}),
+    # Every setting, tiled over query and key blocks (lm/attention_blocked.py).
+    "blocked": Impl(attention_blocked.attend_blocked, auto=ANYWHERE),
+    # The definition itself (lm/attention_core.py); auto's last resort, for cross-attention.
+    "reference": Impl(core.reference, cross=True, memory_linear=False, auto=ANYWHERE),
+}
 
 
-def attention_mask(q_len: int, k_len: int, *, causal: bool,
-                   segment_ids: jax.Array | None) -> jax.Array | None:
-  """Boolean [batch or 1, 1, q, k] mask of allowed pairs, or None when everything is allowed."""
-  return pair_mask(jnp.arange(q_len), jnp.arange(k_len), causal=causal, q_segment_ids_bq=segment_ids,
-                   k_segment_ids_bk=segment_ids)
+class Call(NamedTuple):
+  """What a call asks of an implementation besides the knobs; lengths None when not yet known."""
+  q_len: int | None
+  k_len: int | None
+  causal: bool
+  bias: bool
+  dropout: bool
 
 
-def masked_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, bias: jax.Array | None,
-                  mask: jax.Array | None) -> jax.Array:
-  """Step 1: s_bhqk = q·k / sqrt(d) + bias in float32, masked entries 0."""
-  scale = q_bqhd.shape[-1] ** -0.5
-  s_bhqk = jnp.einsum("bqhd,bkhd->bhqk", q_bqhd, k_bkhd, preferred_element_type=jnp.float32) * scale
-  if bias is not None:
-    s_bhqk = s_bhqk + bias.astype(jnp.float32)
-  if mask is not None:
-    # Zeroing before σ is what keeps masked entries out of the RMS over heads as well.
-    s_bhqk = jnp.where(mask, s_bhqk, 0.0)
-  return s_bhqk
+def unsupported(name: str, knobs: Knobs, call: Call) -> str | None:
+  """Why implementation `name` cannot serve this call (with the fix), or None when it can."""
+  impl = IMPLS[name]
+  if impl.computes is not None:
+    wanted = preset(impl.computes)
+    if (knobs.normalization, knobs.value_network) != (wanted["normalization"], wanted["value_network"]):
+      return (f"computes {impl.computes} attention only (normalization {wanted['normalization']}, "
+              f"value_network {wanted['value_network']}), not {knobs.normalization}/"
+              f"{knobs.value_network}; use impl 'auto' or 'blocked'")
+  if not call.causal and not impl.bidirectional:
+    return "computes causal attention only; for bidirectional attention use impl 'auto' or 'blocked'"
+  if call.bias and not impl.bias:
+    return ("takes no position bias; use model.positions rotary, learned or none, or impl 'auto' or "
+            "'blocked'")
+  if call.dropout and not impl.dropout:
+    return "applies no attention dropout; use impl 'auto' or 'blocked', or attention_dropout 0"
+  if call.q_len is None:
+    return None
+  if call.q_len != call.k_len and not impl.cross:
+    return (f"needs as many keys as queries, got {call.q_len} and {call.k_len}; use impl 'auto' or "
+            f"'reference' for cross-attention")
+  if call.q_len % impl.tile or call.k_len % impl.tile:
+    return (f"tiles sequences in blocks of {impl.tile}, got lengths {call.q_len} and {call.k_len}; use a "
+            f"multiple of {impl.tile} or impl 'auto'")
+  return None
 
 
-def rms_head(s_bhqk: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """s divided by its root mean square over the heads of its (q, k) pair, and the reciprocal RMS
-  r_b1qk (the blocked kernel's pullback reuses it)."""
-  r_b1qk = jax.lax.rsqrt(jnp.mean(jnp.square(s_bhqk), axis=1, keepdims=True) + RMS_HEAD_EPS)
-  return s_bhqk * r_b1qk, r_b1qk
+def check(impl: str, knobs: Knobs, call: Call) -> None:
+  """Raises a ValueError naming the fix when `impl` cannot serve the call."""
+  if impl != "auto" and impl not in IMPLS:
+    raise ValueError(f"unknown attention impl {impl!r}; choose one of: auto, {', '.join(IMPLS)}")
+  reason = None if impl == "auto" else unsupported(impl, knobs, call)
+  if reason:
+    raise ValueError(f"attention impl {impl!r} {reason}")
 
 
-def normalize(s_bhqk: jax.Array, mask: jax.Array | None, *, normalization: str,
-              lse_bhq: jax.Array | None = None) -> jax.Array:
-  """Step 2 on masked scores. Softmax over a slice of the keys takes the full row's log-sum-exp
-  `lse_bhq` (as the blocked kernel does); without it, the softmax is over the keys given."""
-  if normalization == "softmax":
-    if lse_bhq is not None:
-      # -inf (not a large negative) where masked: exp gives exactly 0 and a zero gradient.
-      s_bhqk = s_bhqk - lse_bhq[..., None]
-      return jnp.exp(s_bhqk if mask is None else jnp.where(mask, s_bhqk, -jnp.inf))
-    if mask is not None:
-      s_bhqk = jnp.where(mask, s_bhqk, jnp.finfo(jnp.float32).min)
-    a_bhqk = jax.nn.softmax(s_bhqk, axis=-1)
-  elif normalization == "none":
-    a_bhqk = s_bhqk
-  elif normalization == "rms_head":
-    a_bhqk = rms_head(s_bhqk)[0]
-  else:
-    raise ValueError(f"unknown attention normalization {normalization!r}; "
-                     f"choose one of: {', '.join(NORMALIZATIONS)}")
-  if mask is not None:
-    a_bhqk = jnp.where(mask, a_bhqk, 0.0)
-  return a_bhqk
+def choose_impl(knobs: Knobs, call: Call) -> dict[str, str]:
+  """What impl="auto" runs on each platform: the first row of IMPLS that supports the call and that
+  auto may take there at this length."""
+  def first(platform):
+    for name, impl in IMPLS.items():
+      if platform not in impl.auto:
+        continue
+      limit = impl.auto[platform]
+      if (limit is None or call.q_len is None or call.q_len <= limit) and \
+          unsupported(name, knobs, call) is None:
+        return name
+    raise AssertionError("the reference serves every call")
+
+  return {platform: first(platform) for platform in PLATFORMS}
 
 
-def normalized_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, *, normalization: str,
-                      causal: bool = True, segment_ids: jax.Array | None = None,
-                      bias: jax.Array | None = None) -> jax.Array:
-  """Steps 1-2: the normalised scores a_bhqk in float32. For a (q, k) pair, a[:, :, q, k] across
-  heads is the pair's latent code; masked entries are exactly 0 in every normalisation."""
-  mask = attention_mask(q_bqhd.shape[1], k_bkhd.shape[1], causal=causal, segment_ids=segment_ids)
-  return normalize(masked_scores(q_bqhd, k_bkhd, bias, mask), mask, normalization=normalization)
-
-
-def apply_value_network(a_bhqk: jax.Array, v_bkhd: jax.Array, *, value_network: str,
-                        nonlinearity: str = "relu") -> jax.Array:
-  """Step 3, on given scores: [batch, heads, q, k] × [batch, k, heads, d] → [batch, q, heads, d]."""
-  a_bhqk = a_bhqk.astype(v_bkhd.dtype)
-  if value_network == "linear":
-    return jnp.einsum("bhqk,bkhd->bqhd", a_bhqk, v_bkhd)
-  if value_network == "hypernetwork":
-    # z is the generated first layer applied to x_k: one d-vector per (query, key) pair. Key-major,
-    # as the contraction over heads is a matmul batched over keys: z is never transposed.
-    z_bkqd = jnp.einsum("bhqk,bkhd->bkqd", a_bhqk, v_bkhd)
-    return jnp.einsum("bhqk,bkqd->bqhd", a_bhqk, NONLINEARITIES[nonlinearity](z_bkqd))
-  raise ValueError(f"unknown attention value_network {value_network!r}; "
-                   f"choose one of: {', '.join(VALUE_NETWORKS)}")
-
-
-def choose_impl(normalization: str, value_network: str, *, causal: bool,
-                bias: jax.Array | None) -> str:
-  """The fastest implementation of these knobs, memory linear in sequence length wherever one exists.
-  Softmax attention stays 'auto': lm/attention_softmax.py picks its kernel per platform at lowering.
-  Causal linear attention without a bias goes to the chunked form, all else (HYLA, the ablations) to the
-  blocked kernel."""
-  if (normalization, value_network) == ("softmax", "linear"):
-    return "auto"  # attend_softmax picks its kernel per platform when lowering
-  if (normalization, value_network) == ("none", "linear") and causal and bias is None:
-    return "chunked"
-  return "blocked"
+def _run(name: str, q, k, v, *, knobs, causal, segment_ids, bias, dropout_rate, dropout_rng):
+  """Implementation `name` given the arguments its row says it takes."""
+  impl, kw = IMPLS[name], dict(segment_ids=segment_ids)
+  if impl.computes is None:
+    kw["knobs"] = knobs
+  if impl.bidirectional:
+    kw["causal"] = causal
+  if impl.bias:
+    kw["bias"] = bias
+  if impl.dropout:
+    kw.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  return impl.fn(q, k, v, **kw)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: str, value_network: str,
            nonlinearity: str = "relu", causal: bool = True, segment_ids: jax.Array | None = None,
-           bias: jax.Array | None = None, impl: str = "reference") -> jax.Array:
+           bias: jax.Array | None = None, impl: str = "reference", dropout_rate: float = 0.0,
+           dropout_rng: jax.Array | None = None) -> jax.Array:
   """Maps q, k, v [batch, seq, heads, head_dim] to [batch, seq, heads, head_dim].
 
   segment_ids [batch, seq]: tokens attend only within their own segment (packed documents).
   bias: additive, broadcastable to [batch, heads, q, k] (e.g. relative position bias).
+  dropout_rate, dropout_rng: attention dropout of the normalised scores, one [q, k] mask shared over
+  batch and heads, drawn from dropout_rng; every implementation that drops draws the same mask.
   """
-  check_knobs(normalization, value_network, nonlinearity, impl)
-  if impl == "auto":
-    impl = choose_impl(normalization, value_network, causal=causal, bias=bias)
-  knobs = dict(normalization=normalization, value_network=value_network, nonlinearity=nonlinearity)
-  if impl == "blocked":
-    return attention_blocked.attend_blocked(q, k, v, **knobs, causal=causal, segment_ids=segment_ids,
-                                            bias=bias)
-  if impl == "chunked":
-    return attention_linear.attend_chunked(q, k, v, causal=causal, segment_ids=segment_ids, bias=bias)
-  if impl in ("auto", "dot_product", "pallas"):
-    return attention_softmax.attend_softmax(q, k, v, causal=causal, segment_ids=segment_ids, bias=bias,
-                                            impl=impl)
-  a_bhqk = normalized_scores(q, k, normalization=normalization, causal=causal,
-                             segment_ids=segment_ids, bias=bias)
-  return apply_value_network(a_bhqk, v, value_network=value_network,
-                             nonlinearity=nonlinearity).astype(q.dtype)
+  knobs = Knobs(normalization, value_network, nonlinearity)
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"attention dropout_rate must be in [0, 1), got {dropout_rate}")
+  if dropout_rate and dropout_rng is None:
+    raise ValueError("attention dropout needs dropout_rng (a jax.random key)")
+  call = Call(q.shape[1], k.shape[1], causal, bias is not None, dropout_rate > 0)
+  check(impl, knobs, call)
+  chosen = choose_impl(knobs, call) if impl == "auto" else dict.fromkeys(PLATFORMS, impl)
+  run = {name: functools.partial(_run, name, knobs=knobs, causal=causal, segment_ids=segment_ids,
+                                 bias=bias, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+         for name in set(chosen.values())}
+  if len(run) == 1:
+    return run[chosen["cpu"]](q, k, v)
+  # The platform being lowered for decides, so a step compiled for TPU on a CPU host gets TPU kernels.
+  return jax.lax.platform_dependent(q, k, v, cpu=run[chosen["cpu"]], tpu=run[chosen["tpu"]],
+                                    default=run[chosen["gpu"]])

@@ -1,4 +1,5 @@
-"""Blocked attention: lm.attention's core tiled over query and key blocks, memory linear in sequence length.
+"""Blocked attention: the core (lm/attention_core.py) tiled over query and key blocks, memory linear in
+sequence length.
 
 One [block, block] tile of scores (and, for the hypernetwork value network, one [batch, block, block, d]
 tile of z) exists at a time, never [b, h, t, t] or [b, t, t, d]. The backward pass recomputes each tile
@@ -9,18 +10,30 @@ for the hypernetwork (_hypernetwork_pullback), whose z-sized tensors autodiff la
 rms_head and none normalise within one (q, k) pair, so a query's output is a plain sum over key tiles.
 Softmax needs the row's log-sum-exp before any tile's weights are known, and the hypernetwork applies φ to
 a sum over heads of weights with different denominators, so flash attention's online rescaling does not
-carry over: a first pass computes the log-sum-exp, a second applies exact weights.
+carry over: a first pass computes the log-sum-exp, a second applies exact weights. Attention dropout
+draws each tile's part of the one [t, t] mask from the pairs' positions (core.dropout_keep), the same
+bits in the forward pass, in both backward passes, and in the reference.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from lm import attention
+from lm import attention_core as core
 
 # Measured on CPU (benchmarks/attention.py): 64 beats 128 and 256 for HYLA forward+backward.
 BLOCK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+  """The static part of a call: what the traced loops are built from."""
+  knobs: core.Knobs
+  causal: bool
+  block: int
+  dropout_rate: float
 
 
 def _padded(x: jax.Array, axes: tuple[int, ...], length: int) -> jax.Array:
@@ -30,16 +43,14 @@ def _padded(x: jax.Array, axes: tuple[int, ...], length: int) -> jax.Array:
   return jnp.pad(x, pad)
 
 
-def attend_blocked(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: str, value_network: str,
-                   nonlinearity: str = "relu", causal: bool = True, segment_ids: jax.Array | None = None,
-                   bias: jax.Array | None = None, block: int = BLOCK) -> jax.Array:
-  """Same contract as lm.attention.attend. Lengths that are not a multiple of `block` are padded with
-  tokens in a segment of their own (the smallest int32, which no real segment id is), so no real query
-  sees them."""
+def attend_blocked(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: core.Knobs, causal: bool = True,
+                   segment_ids: jax.Array | None = None, bias: jax.Array | None = None,
+                   dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
+                   block: int = BLOCK) -> jax.Array:
+  """core.reference's contract, for as many keys as queries. Lengths that are not a multiple of
+  `block` are padded with tokens in a segment of their own (the smallest int32, which no real segment
+  id is), so no real query sees them."""
   B, T = q.shape[:2]
-  if k.shape[1] != T:
-    raise ValueError(f"blocked attention needs as many keys as queries, got {T} and {k.shape[1]}; "
-                     f"use impl 'reference' for cross-attention")
   block = min(block, T)
   Tp = -(-T // block) * block
   if Tp != T or segment_ids is not None:
@@ -50,60 +61,75 @@ def attend_blocked(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: s
   if bias is not None:
     bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     bias = _padded(jnp.broadcast_to(bias, bias.shape[:2] + (T, T)), (2, 3), Tp)
-  knobs = (normalization, value_network, nonlinearity, causal, block)
-  return _blocked(knobs, q, k, v, segment_ids, bias)[:, :T].astype(q.dtype)
+  tiling = _Tiling(knobs, causal, block, dropout_rate)
+  rng = dropout_rng if dropout_rate else None
+  return _blocked(tiling, q, k, v, segment_ids, bias, rng)[:, :T].astype(q.dtype)
 
 
-def _tile_mask(knobs, i, j, seg_bt):
+def _positions(tiling: _Tiling, index) -> jax.Array:
+  return index * tiling.block + jnp.arange(tiling.block)
+
+
+def _tile_mask(tiling: _Tiling, i, j, seg_bt):
   """The [b or 1, 1, block, block] mask of query block i against key block j."""
-  causal, block = knobs[3], knobs[4]
-  q_pos, k_pos = i * block + jnp.arange(block), j * block + jnp.arange(block)
+  q_pos, k_pos = _positions(tiling, i), _positions(tiling, j)
   seg = lambda pos: None if seg_bt is None else jnp.take(seg_bt, pos, axis=1)
-  return attention.pair_mask(q_pos, k_pos, causal=causal, q_segment_ids_bq=seg(q_pos),
-                             k_segment_ids_bk=seg(k_pos))
+  return core.pair_mask(q_pos, k_pos, causal=tiling.causal, q_segment_ids_bq=seg(q_pos),
+                        k_segment_ids_bk=seg(k_pos))
 
 
-def _tile(knobs, i, j, q_bqhd, k_bkhd, v_bkhd, seg_bt, bias, lse_bhq):
+def _dropped(tiling: _Tiling, i, j, rng, x_bhqk: jax.Array) -> jax.Array:
+  """x with tile (i, j)'s dropout applied (its kept pairs scaled, the others 0); x itself without
+  dropout. Dropout is linear in the weights, so this is also its own pullback."""
+  if not tiling.dropout_rate:
+    return x_bhqk
+  keep_11qk = core.dropout_keep(rng, _positions(tiling, i), _positions(tiling, j), tiling.dropout_rate)
+  return core.drop(x_bhqk, keep_11qk, tiling.dropout_rate)
+
+
+def _tile(tiling: _Tiling, i, j, q_bqhd, k_bkhd, v_bkhd, seg_bt, bias, lse_bhq, rng):
   """Output of query block i from key block j in float32, and (softmax) the block's softmax mass
-  Σ_k a_bhqk, whose gradient a_bhqk is the path through the row's log-sum-exp."""
-  normalization, value_network, nonlinearity = knobs[:3]
-  mask = _tile_mask(knobs, i, j, seg_bt)
-  s_bhqk = attention.masked_scores(q_bqhd, k_bkhd, bias, mask)
-  a_bhqk = attention.normalize(s_bhqk, mask, normalization=normalization, lse_bhq=lse_bhq)
-  out_bqhd = attention.apply_value_network(a_bhqk, v_bkhd, value_network=value_network,
-                                           nonlinearity=nonlinearity).astype(jnp.float32)
+  Σ_k a_bhqk before dropout, whose gradient a_bhqk is the path through the row's log-sum-exp."""
+  knobs = tiling.knobs
+  mask = _tile_mask(tiling, i, j, seg_bt)
+  s_bhqk = core.masked_scores(q_bqhd, k_bkhd, bias, mask)
+  a_bhqk = core.normalize(s_bhqk, mask, normalization=knobs.normalization, lse_bhq=lse_bhq)
+  out_bqhd = core.apply_value_network(_dropped(tiling, i, j, rng, a_bhqk), v_bkhd,
+                                      value_network=knobs.value_network,
+                                      nonlinearity=knobs.nonlinearity).astype(jnp.float32)
   return out_bqhd, (a_bhqk.sum(-1) if lse_bhq is not None else None)
 
 
-def _hypernetwork_pullback(knobs, i, j, q_bqhd, k_bkhd, v_bkhd, bias, lse_bhq, seg_bt, g_bqhd):
+def _hypernetwork_pullback(tiling: _Tiling, i, j, q_bqhd, k_bkhd, v_bkhd, bias, lse_bhq, rng, seg_bt,
+                           g_bqhd):
   """_tile's pullback for the hypernetwork value network, written out: automatic differentiation
   transposed the [b, q, k, d] tensors between matmuls batched over queries and over keys and ran 1.6x
   slower (benchmarks/attention.py). Here z, φ'(z) and dz stay key-major; only φ(z) meets a matmul
   batched over queries.
 
-  Returns the tile's weights a_bhqk, the cotangent da_bhqk the output gives them, dv, and the pullback
-  from a's total cotangent to dq, dk and dbias."""
-  normalization, _, nonlinearity = knobs[:3]
-  mask = _tile_mask(knobs, i, j, seg_bt)
-  s_bhqk, scores_vjp = jax.vjp(lambda q, k, b: attention.masked_scores(q, k, b, mask),
+  Returns the tile's weights a_bhqk before dropout, the cotangent da_bhqk the output gives them, dv,
+  and the pullback from a's total cotangent to dq, dk and dbias."""
+  normalization, nonlinearity = tiling.knobs.normalization, tiling.knobs.nonlinearity
+  mask = _tile_mask(tiling, i, j, seg_bt)
+  s_bhqk, scores_vjp = jax.vjp(lambda q, k, b: core.masked_scores(q, k, b, mask),
                                q_bqhd, k_bkhd, bias)
   if normalization == "rms_head":
-    a_bhqk, r_b1qk = attention.rms_head(s_bhqk)
+    a_bhqk, r_b1qk = core.rms_head(s_bhqk)
     a_bhqk = a_bhqk if mask is None else jnp.where(mask, a_bhqk, 0.0)
     # a = s·r with r = (mean_h s² + ε)^-½, so ds = r·(da − a·mean_h(a·da)).
     normalize_pullback = lambda da: r_b1qk * (da - a_bhqk * jnp.mean(a_bhqk * da, axis=1, keepdims=True))
   else:
     a_bhqk, vjp = jax.vjp(
-        lambda s: attention.normalize(s, mask, normalization=normalization, lse_bhq=lse_bhq), s_bhqk)
+        lambda s: core.normalize(s, mask, normalization=normalization, lse_bhq=lse_bhq), s_bhqk)
     normalize_pullback = lambda da: vjp(da)[0]
   # Matmul inputs in the compute dtype, as in the forward pass; sums accumulate in float32.
   dtype, f32 = v_bkhd.dtype, dict(preferred_element_type=jnp.float32)
-  a_c, g_c = a_bhqk.astype(dtype), g_bqhd.astype(dtype)
+  a_c, g_c = _dropped(tiling, i, j, rng, a_bhqk).astype(dtype), g_bqhd.astype(dtype)
   z_bkqd = jnp.einsum("bhqk,bkhd->bkqd", a_c, v_bkhd)
-  p_bkqd, phi_pullback = jax.vjp(attention.NONLINEARITIES[nonlinearity], z_bkqd)
+  p_bkqd, phi_pullback = jax.vjp(core.NONLINEARITIES[nonlinearity], z_bkqd)
   dz_bkqd = phi_pullback(jnp.einsum("bhqk,bqhd->bkqd", a_c, g_c))[0]
-  da_bhqk = (jnp.einsum("bqhd,bkqd->bhqk", g_c, p_bkqd, **f32)
-             + jnp.einsum("bkqd,bkhd->bhqk", dz_bkqd, v_bkhd, **f32))
+  da_bhqk = _dropped(tiling, i, j, rng, jnp.einsum("bqhd,bkqd->bhqk", g_c, p_bkqd, **f32)
+                     + jnp.einsum("bkqd,bkhd->bhqk", dz_bkqd, v_bkhd, **f32))
   dv_bkhd = jnp.einsum("bhqk,bkqd->bkhd", a_c, dz_bkqd, **f32)
   # dq, dk and dbias from a's total cotangent (masked scores get none).
   scores_pullback = lambda da_bhqk: scores_vjp(normalize_pullback(da_bhqk))
@@ -118,14 +144,14 @@ def _bias_tile(bias, i, j, block):
   return None if bias is None else _blocks(_blocks(bias, 2, i, block), 3, j, block)
 
 
-def _over_keys(knobs, i, n, body, init):
+def _over_keys(tiling: _Tiling, i, n, body, init):
   """Loops body over the key blocks query block i sees: up to the diagonal when causal, else all n."""
-  return jax.lax.fori_loop(0, i + 1 if knobs[3] else n, body, init)
+  return jax.lax.fori_loop(0, i + 1 if tiling.causal else n, body, init)
 
 
-def _lse(knobs, q, k, seg_bt, bias):
+def _lse(tiling: _Tiling, q, k, seg_bt, bias):
   """Pass one for softmax: each row's log-sum-exp over its allowed keys, [b, h, t], streaming."""
-  block = knobs[4]
+  block = tiling.block
   n = q.shape[1] // block
   neg = jnp.finfo(jnp.float32).min
 
@@ -134,8 +160,8 @@ def _lse(knobs, q, k, seg_bt, bias):
 
     def body(j, carry):
       m_bhq, l_bhq = carry
-      mask = _tile_mask(knobs, i, j, seg_bt)
-      s_bhqk = attention.masked_scores(q_bqhd, _blocks(k, 1, j, block), _bias_tile(bias, i, j, block), mask)
+      mask = _tile_mask(tiling, i, j, seg_bt)
+      s_bhqk = core.masked_scores(q_bqhd, _blocks(k, 1, j, block), _bias_tile(bias, i, j, block), mask)
       if mask is not None:
         s_bhqk = jnp.where(mask, s_bhqk, neg)
       m_new = jnp.maximum(m_bhq, s_bhqk.max(-1))
@@ -145,7 +171,7 @@ def _lse(knobs, q, k, seg_bt, bias):
       return m_new, l_bhq * jnp.exp(m_bhq - m_new) + e_bhqk.sum(-1)
 
     shape = (q.shape[0], q.shape[2], block)
-    m_bhq, l_bhq = _over_keys(knobs, i, n, body, (jnp.full(shape, neg), jnp.zeros(shape)))
+    m_bhq, l_bhq = _over_keys(tiling, i, n, body, (jnp.full(shape, neg), jnp.zeros(shape)))
     return m_bhq + jnp.log(l_bhq)
 
   lse_nbhq = jax.lax.map(query_block, jnp.arange(n))
@@ -153,38 +179,40 @@ def _lse(knobs, q, k, seg_bt, bias):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blocked(knobs, q, k, v, seg_bt, bias):
-  return _forward(knobs, q, k, v, seg_bt, bias)[0]
+def _blocked(tiling, q, k, v, seg_bt, bias, rng):
+  return _forward(tiling, q, k, v, seg_bt, bias, rng)[0]
 
 
-def _forward(knobs, q, k, v, seg_bt, bias):
-  block = knobs[4]
+def _forward(tiling, q, k, v, seg_bt, bias, rng):
+  block = tiling.block
   n = q.shape[1] // block
-  lse = _lse(knobs, q, k, seg_bt, bias) if knobs[0] == "softmax" else None
+  lse = _lse(tiling, q, k, seg_bt, bias) if tiling.knobs.normalization == "softmax" else None
 
   def query_block(i):
     q_bqhd = _blocks(q, 1, i, block)
     lse_bhq = None if lse is None else _blocks(lse, 2, i, block)
 
     def body(j, out_bqhd):
-      return out_bqhd + _tile(knobs, i, j, q_bqhd, _blocks(k, 1, j, block), _blocks(v, 1, j, block),
-                              seg_bt, _bias_tile(bias, i, j, block), lse_bhq)[0]
+      return out_bqhd + _tile(tiling, i, j, q_bqhd, _blocks(k, 1, j, block), _blocks(v, 1, j, block),
+                              seg_bt, _bias_tile(bias, i, j, block), lse_bhq, rng)[0]
 
-    return _over_keys(knobs, i, n, body, jnp.zeros(q_bqhd.shape, jnp.float32))
+    return _over_keys(tiling, i, n, body, jnp.zeros(q_bqhd.shape, jnp.float32))
 
   out_nbqhd = jax.lax.map(query_block, jnp.arange(n))
   out = jnp.moveaxis(out_nbqhd, 0, 1).reshape(q.shape).astype(q.dtype)
-  return out, (q, k, v, seg_bt, bias, lse)
+  return out, (q, k, v, seg_bt, bias, lse, rng)
 
 
-def _backward(knobs, residuals, dout):
-  q, k, v, seg_bt, bias, lse = residuals
-  block = knobs[4]
+def _backward(tiling, residuals, dout):
+  q, k, v, seg_bt, bias, lse, rng = residuals
+  block = tiling.block
   n = q.shape[1] // block
   dout = dout.astype(jnp.float32)
+  hypernetwork = tiling.knobs.value_network == "hypernetwork"
 
   def tile_fn(i, j):
-    return lambda q_t, k_t, v_t, bias_t, lse_t: _tile(knobs, i, j, q_t, k_t, v_t, seg_bt, bias_t, lse_t)
+    return lambda q_t, k_t, v_t, bias_t, lse_t: _tile(tiling, i, j, q_t, k_t, v_t, seg_bt, bias_t, lse_t,
+                                                      rng)
 
   def tile_args(i, j):
     return (_blocks(q, 1, i, block), _blocks(k, 1, j, block), _blocks(v, 1, j, block),
@@ -198,14 +226,14 @@ def _backward(knobs, residuals, dout):
 
       def body(j, dlse_bhq):
         args = tile_args(i, j)
-        if knobs[1] == "hypernetwork":
+        if hypernetwork:
           # a = exp(s − lse), so the output's pullback to lse is −Σ_k a·da.
-          a_bhqk, da_bhqk, _, _ = _hypernetwork_pullback(knobs, i, j, *args, seg_bt, dout_bqhd)
+          a_bhqk, da_bhqk, _, _ = _hypernetwork_pullback(tiling, i, j, *args, rng, seg_bt, dout_bqhd)
           return dlse_bhq - (a_bhqk * da_bhqk).sum(-1)
         _, pullback = jax.vjp(lambda lse_t: tile_fn(i, j)(*args[:4], lse_t)[0], args[4])
         return dlse_bhq + pullback(dout_bqhd)[0]
 
-      return _over_keys(knobs, i, n, body, jnp.zeros((q.shape[0], q.shape[2], block)))
+      return _over_keys(tiling, i, n, body, jnp.zeros((q.shape[0], q.shape[2], block)))
 
     dlse = jnp.moveaxis(jax.lax.map(dlse_block, jnp.arange(n)), 0, 2).reshape(lse.shape)
 
@@ -216,8 +244,9 @@ def _backward(knobs, residuals, dout):
     def body(j, inner):
       dq_bqhd, dk, dv, dbias = inner
       args = tile_args(i, j)
-      if knobs[1] == "hypernetwork":
-        _, da_bhqk, dv_t, scores_pullback = _hypernetwork_pullback(knobs, i, j, *args, seg_bt, dout_bqhd)
+      if hypernetwork:
+        _, da_bhqk, dv_t, scores_pullback = _hypernetwork_pullback(tiling, i, j, *args, rng, seg_bt,
+                                                                   dout_bqhd)
         # With softmax, the tile's mass Σ_k a_bhqk carries the row's log-sum-exp cotangent.
         dq_t, dk_t, dbias_t = scores_pullback(da_bhqk if dlse is None else da_bhqk + dlse_bhq[..., None])
       else:
@@ -232,14 +261,14 @@ def _backward(knobs, residuals, dout):
 
     dk, dv, dbias = carry
     dq_bqhd, dk, dv, dbias = _over_keys(
-        knobs, i, n, body, (jnp.zeros(dout_bqhd.shape, jnp.float32), dk, dv, dbias))
+        tiling, i, n, body, (jnp.zeros(dout_bqhd.shape, jnp.float32), dk, dv, dbias))
     return (dk, dv, dbias), dq_bqhd
 
   zeros = lambda x: None if x is None else jnp.zeros(x.shape, jnp.float32)
   (dk, dv, dbias), dq_nbqhd = jax.lax.scan(query_block, (zeros(k), zeros(v), zeros(bias)), jnp.arange(n))
   dq = jnp.moveaxis(dq_nbqhd, 0, 1).reshape(q.shape)
   cast = lambda d, x: None if x is None else d.astype(x.dtype)
-  return cast(dq, q), cast(dk, k), cast(dv, v), None, cast(dbias, bias)
+  return cast(dq, q), cast(dk, k), cast(dv, v), None, cast(dbias, bias), None
 
 
 _blocked.defvjp(_forward, _backward)

@@ -13,16 +13,10 @@ import jax.numpy as jnp
 CHUNK = 64
 
 
-def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-                   segment_ids: jax.Array | None = None, bias: jax.Array | None = None,
+def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
                    chunk: int = CHUNK) -> jax.Array:
-  """Same contract as lm.attention.attend with normalization none and value network linear."""
-  if not causal:
-    raise ValueError("attention impl 'chunked' is the causal form of linear attention; for bidirectional "
-                     "attention use impl 'auto' or 'blocked'")
-  if bias is not None:
-    raise ValueError("attention impl 'chunked' takes no position bias (it never forms q·k scores across "
-                     "chunks); use model.positions rotary/learned/none, or impl 'auto' or 'blocked'")
+  """attention_core.reference's contract with normalization none, value network linear, causal, no
+  bias and no dropout (lm/attention.py's table holds these limits)."""
   B, T, H, K = q.shape
   C = min(chunk, T)
   N = -(-T // C)

@@ -5,6 +5,7 @@ import math
 from typing import Any, Callable, Iterator
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -44,11 +45,13 @@ class Experiment:
                          + (f" x train.microbatches={k}" if name.startswith("train") else ""))
     if config.train.on_nonfinite not in ("stop", "skip"):
       raise ValueError(f"unknown train.on_nonfinite {config.train.on_nonfinite!r}; choose stop or skip")
-    self.abstract_state = jax.eval_shape(self._init, jax.random.key(0))
-    self.state_shardings = sharding.shardings(self.abstract_state, self.mesh)
+    # The state as created, each parameter (and optimiser moment) boxed with its logical axes.
+    boxed = jax.eval_shape(self._init_boxed, jax.random.key(0))
+    self.abstract_state = nn.meta.unbox(boxed)
+    self.state_shardings = sharding.shardings(boxed, self.mesh, params=boxed.params)
     self.num_params = model_lib.count_params(self.abstract_state.params)
 
-  def _init(self, rng: jax.Array) -> TrainState:
+  def _init_boxed(self, rng: jax.Array) -> TrainState:
     cfg = self.model_cfg
     inputs = (jnp.zeros((1, 8, cfg.input_dim), jnp.float32) if cfg.input_dim
               else jnp.zeros((1, 8), jnp.int32))
@@ -56,6 +59,9 @@ class Experiment:
     params = self.model.init(init_rng, inputs)["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=self.optimizer.init(params), rng=jax.random.key_data(train_rng))
+
+  def _init(self, rng: jax.Array) -> TrainState:
+    return nn.meta.unbox(self._init_boxed(rng))
 
   def init_state(self) -> TrainState:
     """Initialises directly into the sharded layout: nothing is ever whole on one device."""
@@ -68,10 +74,8 @@ class Experiment:
                         self.abstract_state, self.state_shardings)
 
   def apply(self, params, batch, **kw):
-    outputs, _ = self.model.apply({"params": params}, batch["inputs"],
-                                  positions_bt=batch.get("positions"),
-                                  segment_ids_bt=batch.get("segment_ids"), **kw)
-    return outputs
+    return self.model.apply({"params": params}, batch["inputs"], positions_bt=batch.get("positions"),
+                            segment_ids_bt=batch.get("segment_ids"), **kw)
 
   def _weighted_loss(self, params, batch, rng):
     """The task's mean loss times its weight: summed over microbatches, then divided by the summed

@@ -5,6 +5,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from lm import attention_core
 from lm.model import ModelConfig
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
@@ -16,14 +17,13 @@ PEAK_FLOPS = {
 
 
 def flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int) -> float:
-  """Training FLOPs (forward + backward) per token: 6 per parameter plus the attention core. Per query-key pair a layer does a q·k product and one value product per
-  output for the linear value network (2 · qkv_dim multiply-adds), and a third (the generated first
-  layer z) for the hypernetwork: HYLA's core costs 1.5× softmax's. Counted over all T keys, as
-  PaLM's MFU convention does, whatever the mask skips."""
+  """Training FLOPs (forward + backward) per token: 6 per parameter plus the attention core, 3x its
+  forward FLOPs per (query, key) pair (lm.attention_core.pair_flops: the score and the value network's
+  products, so HYLA's core costs 1.5x softmax's). Counted over all T keys, as PaLM's MFU convention
+  does, whatever the mask skips."""
   # The input embedding is a lookup, not a matmul (unless tied: then it is also the output layer).
   embedding = cfg.V * cfg.D if not (cfg.input_dim or cfg.tied_embeddings) else 0
-  products = 3 if cfg.knobs["value_network"] == "hypernetwork" else 2
-  attention = 6 * cfg.L * seq_len * (cfg.qkv_dim or cfg.D) * products
+  attention = 3 * cfg.L * seq_len * attention_core.pair_flops(cfg.knobs, cfg.qkv_dim or cfg.D)
   return 6 * (num_params - embedding) + attention
 
 

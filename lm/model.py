@@ -43,7 +43,10 @@ class ModelConfig:
   remat: bool = False
 
   def __post_init__(self):
-    attention.check_knobs(**self.knobs, impl=self.attention_impl)
+    if not 0.0 <= self.attention_dropout < 1.0:
+      raise ValueError(f"model.attention_dropout must be in [0, 1), got {self.attention_dropout}")
+    attention.check(self.attention_impl, self.knobs, attention.Call(
+        None, None, self.causal, bias=self.positions == "relative_bias", dropout=self.attention_dropout > 0))
     qkv = self.qkv_dim or self.D
     if qkv % self.H:
       raise ValueError(f"q/k/v width {qkv} is not divisible by {self.H} heads; "
@@ -66,16 +69,25 @@ class ModelConfig:
     return cls(**fields)
 
   @property
-  def knobs(self) -> dict[str, str]:
-    return attention.preset(self.attention)
+  def knobs(self) -> "attention.Knobs":
+    return attention.Knobs(**attention.preset(self.attention))
 
   @property
   def K(self) -> int:
     return (self.qkv_dim or self.D) // self.H
 
 
-def _init(stddev: float):
-  return nn.initializers.normal(stddev=stddev)
+def _init(stddev: float, *axes: str | None) -> nn.initializers.Initializer:
+  """Normal initialiser of a parameter whose dimensions have the logical roles `axes` (lm/sharding.py
+  maps roles to mesh axes; a parameter that declares none is an error there)."""
+  return nn.with_logical_partitioning(nn.initializers.normal(stddev=stddev), axes)
+
+
+def _layer_norm(dtype, name: str) -> nn.LayerNorm:
+  # Scale and bias are D-vectors, replicated: sharding them would save nothing and cost a gather.
+  return nn.LayerNorm(dtype=dtype, name=name,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, (None,)),
+                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)))
 
 
 def rotary(x_bthk: jax.Array, positions_bt: jax.Array, base: float) -> jax.Array:
@@ -110,42 +122,35 @@ def relative_bucket(relative_bqk: jax.Array, *, bidirectional: bool, num_buckets
 
 
 class Attention(nn.Module):
+  """Projections around lm.attention.attend. Latent codes are computed only when the `codes`
+  collection is mutable, which only `latent_codes` (evaluation) makes it."""
   cfg: ModelConfig
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, segment_ids_bt, bias_bhqk, return_codes: bool):
+  def __call__(self, x_btd, positions_bt, segment_ids_bt, bias_bhqk):
     cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
     D, H, K = cfg.D, cfg.H, cfg.K
-    init = _init(D ** -0.5)
+    init = _init(D ** -0.5, "embed", "heads", None)
     w = {n: self.param(n, init, (D, H, K)).astype(dtype) for n in ("wq", "wk", "wv")}
-    wo_hkd = self.param("wo", _init((H * K * 2 * cfg.L) ** -0.5), (H, K, D)).astype(dtype)
+    wo_hkd = self.param("wo", _init((H * K * 2 * cfg.L) ** -0.5, "heads", None, "embed"),
+                        (H, K, D)).astype(dtype)
     q_bthk, k_bthk, v_bthk = (jnp.einsum("btd,dhk->bthk", x_btd, w[n]) for n in ("wq", "wk", "wv"))
     if cfg.positions == "rotary":
       q_bthk = rotary(q_bthk, positions_bt, cfg.rope_base)
       k_bthk = rotary(k_bthk, positions_bt, cfg.rope_base)
     knobs = cfg.knobs
-    dropout = cfg.attention_dropout > 0 and not self.deterministic
-    codes = None
-    if return_codes or dropout:
-      # The materialised path: needed to hand back scores or drop them; never on the fast path.
-      a_bhqk = attention.normalized_scores(
-          q_bthk, k_bthk, normalization=knobs["normalization"], causal=cfg.causal,
-          segment_ids=segment_ids_bt, bias=bias_bhqk)
-      codes = a_bhqk if return_codes else None
-      if dropout:
-        # One mask shared over batch and heads, as in the paper's reference code.
-        keep_11qk = jax.random.bernoulli(self.make_rng("dropout"), 1 - cfg.attention_dropout,
-                                         (1, 1) + a_bhqk.shape[2:])
-        a_bhqk = jnp.where(keep_11qk, a_bhqk / (1 - cfg.attention_dropout), 0.0)
-      out_bthk = attention.apply_value_network(
-          a_bhqk, v_bthk, value_network=knobs["value_network"],
-          nonlinearity=knobs["nonlinearity"]).astype(dtype)
-    else:
-      out_bthk = attention.attend(q_bthk, k_bthk, v_bthk, **knobs, causal=cfg.causal,
-                                  segment_ids=segment_ids_bt, bias=bias_bhqk,
-                                  impl=cfg.attention_impl)
-    return jnp.einsum("bthk,hkd->btd", out_bthk, wo_hkd), codes
+    if self.is_mutable_collection("codes"):
+      self.sow("codes", "a_bhqk", attention.normalized_scores(
+          q_bthk, k_bthk, normalization=knobs.normalization, causal=cfg.causal,
+          segment_ids=segment_ids_bt, bias=bias_bhqk))
+    dropout = 0.0 if self.deterministic else cfg.attention_dropout
+    out_bthk = attention.attend(
+        q_bthk, k_bthk, v_bthk, normalization=knobs.normalization, value_network=knobs.value_network,
+        nonlinearity=knobs.nonlinearity, causal=cfg.causal, segment_ids=segment_ids_bt, bias=bias_bhqk,
+        impl=cfg.attention_impl, dropout_rate=dropout,
+        dropout_rng=self.make_rng("dropout") if dropout else None)
+    return jnp.einsum("bthk,hkd->btd", out_bthk, wo_hkd)
 
 
 class Mlp(nn.Module):
@@ -154,76 +159,76 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x_btd):
     cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
-    wi_df = self.param("wi", _init(cfg.D ** -0.5), (cfg.D, cfg.F)).astype(dtype)
-    wo_fd = self.param("wo", _init((cfg.F * 2 * cfg.L) ** -0.5), (cfg.F, cfg.D)).astype(dtype)
+    wi_df = self.param("wi", _init(cfg.D ** -0.5, "embed", "mlp"), (cfg.D, cfg.F)).astype(dtype)
+    wo_fd = self.param("wo", _init((cfg.F * 2 * cfg.L) ** -0.5, "mlp", "embed"),
+                       (cfg.F, cfg.D)).astype(dtype)
     return jax.nn.gelu(x_btd @ wi_df) @ wo_fd
 
 
 class Block(nn.Module):
   cfg: ModelConfig
   deterministic: bool = True
-  return_codes: bool = False
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, segment_ids_bt, bias_bhqk):
     dtype = DTYPES[self.cfg.dtype]
-    h_btd, codes = Attention(self.cfg, self.deterministic, name="attn")(
-        nn.LayerNorm(dtype=dtype, name="ln_attn")(x_btd), positions_bt, segment_ids_bt, bias_bhqk,
-        self.return_codes)
-    x_btd = x_btd + h_btd
-    x_btd = x_btd + Mlp(self.cfg, name="mlp")(nn.LayerNorm(dtype=dtype, name="ln_mlp")(x_btd))
-    return x_btd, codes
+    x_btd = x_btd + Attention(self.cfg, self.deterministic, name="attn")(
+        _layer_norm(dtype, "ln_attn")(x_btd), positions_bt, segment_ids_bt, bias_bhqk)
+    return x_btd + Mlp(self.cfg, name="mlp")(_layer_norm(dtype, "ln_mlp")(x_btd))
 
 
 class Transformer(nn.Module):
-  """inputs: token ids [B, T] (or float features [B, T, I] when cfg.input_dim > 0).
-
-  Returns float32 outputs [B, T, V] and, with return_codes, each layer's normalised scores
-  [B, H, T, T] (the latent codes); otherwise None in their place.
-  """
+  """inputs: token ids [B, T] (or float features [B, T, I] when cfg.input_dim > 0) → float32 outputs
+  [B, T, V]."""
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, inputs, *, positions_bt=None, segment_ids_bt=None, deterministic: bool = True,
-               return_codes: bool = False):
+  def __call__(self, inputs, *, positions_bt=None, segment_ids_bt=None, deterministic: bool = True):
     cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
     B, T = inputs.shape[:2]
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(T), (B, T))
     if cfg.input_dim:
-      w_id = self.param("input_proj", _init(cfg.input_dim ** -0.5), (cfg.input_dim, cfg.D))
+      w_id = self.param("input_proj", _init(cfg.input_dim ** -0.5, None, "embed"), (cfg.input_dim, cfg.D))
       x_btd = inputs.astype(dtype) @ w_id.astype(dtype)
     else:
-      embed_vd = self.param("embed", _init(1.0), (cfg.V, cfg.D))
+      embed_vd = self.param("embed", _init(1.0, "vocab", "embed"), (cfg.V, cfg.D))
       x_btd = embed_vd.astype(dtype)[inputs]
     if cfg.positions == "learned":
-      x_btd = x_btd + self.param("pos_embed", _init(0.02), (cfg.max_len, cfg.D)).astype(dtype)[positions_bt]
+      pos_embed = self.param("pos_embed", _init(0.02, None, "embed"), (cfg.max_len, cfg.D))
+      x_btd = x_btd + pos_embed.astype(dtype)[positions_bt]
     bias_bhqk = None
     if cfg.positions == "relative_bias":
       bucket_bqk = relative_bucket(positions_bt[:, None, :] - positions_bt[:, :, None],
                                    bidirectional=cfg.relative_bidirectional and not cfg.causal,
                                    num_buckets=cfg.relative_buckets,
                                    max_distance=cfg.relative_max_distance)
+      # A few numbers per head: replicated.
       relative_bias = lambda name: jnp.moveaxis(
-          self.param(name, _init(0.02), (cfg.relative_buckets, cfg.H))[bucket_bqk], -1, 1)
+          self.param(name, _init(0.02, None, None), (cfg.relative_buckets, cfg.H))[bucket_bqk], -1, 1)
       if not cfg.relative_bias_per_layer:
         bias_bhqk = relative_bias("relative_bias")  # one table shared by all layers, as in T5
     block = nn.remat(Block) if cfg.remat else Block
-    codes = []
     x_btd = sharding.constrain_batch(x_btd)
     for i in range(cfg.L):
       if cfg.positions == "relative_bias" and cfg.relative_bias_per_layer:
         bias_bhqk = relative_bias(f"relative_bias_{i}")
-      x_btd, codes_i = block(cfg, deterministic, return_codes, name=f"block_{i}")(
-          x_btd, positions_bt, segment_ids_bt, bias_bhqk)
+      x_btd = block(cfg, deterministic, name=f"block_{i}")(x_btd, positions_bt, segment_ids_bt, bias_bhqk)
       x_btd = sharding.constrain_batch(x_btd)
-      codes.append(codes_i)
-    x_btd = nn.LayerNorm(dtype=dtype, name="ln_final")(x_btd)
+    x_btd = _layer_norm(dtype, "ln_final")(x_btd)
     if cfg.tied_embeddings and not cfg.input_dim:
       out_btv = x_btd @ embed_vd.astype(dtype).T * cfg.D ** -0.5
     else:
-      out_btv = x_btd @ self.param("unembed", _init(cfg.D ** -0.5), (cfg.D, cfg.V)).astype(dtype)
-    return out_btv.astype(jnp.float32), (codes if return_codes else None)
+      out_btv = x_btd @ self.param("unembed", _init(cfg.D ** -0.5, "embed", "vocab"),
+                                   (cfg.D, cfg.V)).astype(dtype)
+    return out_btv.astype(jnp.float32)
+
+
+def latent_codes(model: Transformer, params, inputs, **kw) -> list[jax.Array]:
+  """Evaluation only: each layer's latent codes, the normalised scores a_bhqk [B, H, T, T] in float32
+  (masked pairs exactly 0; dropout never applies). kw: Transformer's keyword arguments."""
+  _, state = model.apply({"params": params}, inputs, mutable="codes", **kw)
+  return [state["codes"][f"block_{i}"]["attn"]["a_bhqk"][0] for i in range(model.cfg.L)]
 
 
 def count_params(params) -> int:

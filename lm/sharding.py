@@ -1,12 +1,16 @@
-"""The sharding policy: a mesh (data, fsdp, tensor) and one rule per parameter role.
+"""The sharding policy: a mesh (data, fsdp, tensor) and the mesh axis of each logical role.
 
-Parameters and optimiser moments are split over `fsdp` along the model width and over `tensor`
-along heads / MLP width / vocabulary; the batch is split over (data, fsdp). A dimension that a mesh
-axis does not divide stays replicated on that axis rather than failing.
+Every parameter declares the logical role of each of its dimensions where it is created (lm/model.py,
+`nn.with_logical_partitioning` at each initializer, as NanoDO's fsdp.py does); `shardings` maps the
+roles to mesh axes and raises on a parameter that declares nothing, so nothing is replicated by
+accident. Parameters and optimiser moments are split over `fsdp` along the model width and over `tensor`
+along heads / MLP width / vocabulary; the batch is split over (data, fsdp). A dimension that a mesh axis
+does not divide stays replicated on that axis rather than failing.
 """
 
 import math
 
+import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -14,15 +18,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
-
-# (parent module, parameter name) → logical role of each dimension; matched on the path's tail.
-ROLES = {
-    ("attn", "wq"): ("embed", "heads", None), ("attn", "wk"): ("embed", "heads", None),
-    ("attn", "wv"): ("embed", "heads", None), ("attn", "wo"): ("heads", None, "embed"),
-    ("mlp", "wi"): ("embed", "mlp"), ("mlp", "wo"): ("mlp", "embed"),
-    (None, "embed"): ("vocab", "embed"), (None, "unembed"): ("embed", "vocab"),
-    (None, "pos_embed"): (None, "embed"), (None, "input_proj"): (None, "embed"),
-}
 LOGICAL_TO_MESH = {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 
 
@@ -41,19 +36,33 @@ def make_mesh(cfg: ml_collections.ConfigDict, devices=None) -> Mesh:
   return Mesh(np.asarray(devices).reshape(sizes), AXES)
 
 
-def _spec(path, shape, mesh: Mesh) -> P:
-  names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-  roles = ROLES.get((names[-2] if len(names) > 1 else None, names[-1])) or ROLES.get((None, names[-1]))
-  if roles is None or len(roles) != len(shape):
-    return P()
-  axes = [LOGICAL_TO_MESH.get(r) if r else None for r in roles]
+def _spec(box: nn.Partitioned, mesh: Mesh) -> P:
+  unknown = [role for role in box.names if role and role not in LOGICAL_TO_MESH]
+  if unknown:
+    raise ValueError(f"unknown logical axis {unknown[0]!r} of a parameter of shape {box.value.shape}; "
+                     f"choose one of: {', '.join(LOGICAL_TO_MESH)}, or None (replicated)")
+  axes = [LOGICAL_TO_MESH[role] if role else None for role in box.names]
+  shape = box.value.shape
   return P(*(a if a and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, shape)))
 
 
-def shardings(abstract_tree, mesh: Mesh):
-  """NamedShardings for a tree of arrays (parameters, optimiser state, train state)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, _spec(path, getattr(x, "shape", ()), mesh)), abstract_tree)
+def _is_box(x) -> bool:
+  return isinstance(x, nn.Partitioned)
+
+
+def shardings(abstract_tree, mesh: Mesh, *, params):
+  """NamedShardings for `abstract_tree` unboxed (nn.meta.unbox): leaves that declare logical axes
+  (parameters, and the optimiser state that mirrors them) get their mesh axes; the others (step,
+  RNG, optimiser counters) are replicated. `params`, the parameters as the model created them, must
+  declare every leaf."""
+  undeclared = [jax.tree_util.keystr(path) for path, x in
+                jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0] if not _is_box(x)]
+  if undeclared:
+    raise ValueError(f"parameter(s) {', '.join(undeclared)} declare no sharding; create each with an "
+                     f"initializer wrapped in nn.with_logical_partitioning(init, roles), roles from "
+                     f"{sorted(LOGICAL_TO_MESH)} or None (replicated), as lm/model.py does")
+  return jax.tree.map(lambda x: NamedSharding(mesh, _spec(x, mesh) if _is_box(x) else P()),
+                      abstract_tree, is_leaf=_is_box)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

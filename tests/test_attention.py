@@ -2,12 +2,13 @@
 
 import itertools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm import attention, model as model_lib
+from lm import attention, attention_core, model as model_lib
 
 jax.config.update("jax_enable_x64", False)
 COMBOS = list(itertools.product(attention.NORMALIZATIONS, attention.VALUE_NETWORKS))
@@ -33,9 +34,9 @@ def _layer(normalization, value_network, nonlinearity="relu", D=12, H=3, T=6, se
   cfg = model_lib.ModelConfig(V=8, D=D, H=H, L=1, F=8, attention=name, positions="none")
   layer = model_lib.Attention(cfg)
   x_btd = jax.random.normal(jax.random.key(seed), (1, T, D))
-  args = (x_btd, jnp.zeros((1, T), jnp.int32), None, None, False)
-  params = layer.init(jax.random.key(seed + 1), *args)["params"]
-  y_btd, _ = layer.apply({"params": params}, *args)
+  args = (x_btd, jnp.zeros((1, T), jnp.int32), None, None)
+  params = nn.meta.unbox(layer.init(jax.random.key(seed + 1), *args)["params"])
+  y_btd = layer.apply({"params": params}, *args)
   p = {k: np.asarray(v, np.float64) for k, v in params.items()}
   return p, np.asarray(x_btd[0], np.float64), np.asarray(y_btd[0], np.float64)
 
@@ -111,7 +112,7 @@ def test_rms_head_zeros_masked_and_unit_rms_elsewhere():
   q, k, _ = _qkv(H=8)
   seg_bt = jnp.array([[1] * 5 + [2] * 5, [1] * 10])
   a_bhqk = attention.normalized_scores(q, k, normalization="rms_head", segment_ids=seg_bt)
-  mask_bqk = np.asarray(attention.attention_mask(10, 10, causal=True, segment_ids=seg_bt))[:, 0]
+  mask_bqk = np.asarray(attention_core.attention_mask(10, 10, causal=True, segment_ids=seg_bt))[:, 0]
   assert np.all(np.asarray(a_bhqk).transpose(1, 0, 2, 3)[:, ~mask_bqk] == 0.0)
   rms_bqk = np.sqrt(np.mean(np.square(a_bhqk), axis=1))
   np.testing.assert_allclose(rms_bqk[mask_bqk], 1.0, atol=1e-3)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.extend import core as jax_core
 
-from lm import attention, attention_blocked, model as model_lib
+from lm import attention, attention_blocked, attention_core, model as model_lib
 
 COMBOS = list(itertools.product(attention.NORMALIZATIONS, attention.VALUE_NETWORKS))
 # 21 tokens: two full blocks of 8 and a padded third; segment 0 at the end is padding, as packing makes.
@@ -25,11 +25,13 @@ def _inputs(B=2, T=T, H=3, K=4, seed=0):
   return q, k, v, bias_1hqk, cotangent
 
 
-def _assert_same(impl_fn, knobs, *, segment_ids, bias, causal=True, rtol=2e-4):
+def _assert_same(impl_fn, knobs, *, segment_ids, bias, causal=True, rtol=2e-4, dropout_rate=0.0):
   """impl_fn(q, k, v, bias, **kw) equals the reference in its output and in its pullback of a random
-  cotangent with respect to q, k, v (and the bias)."""
+  cotangent with respect to q, k, v (and the bias); with dropout, under the same rng."""
   q, k, v, bias_1hqk, cotangent = _inputs()
   kw = dict(**knobs, causal=causal, segment_ids=segment_ids)
+  if dropout_rate:
+    kw.update(dropout_rate=dropout_rate, dropout_rng=jax.random.key(7))
   bias = bias_1hqk if bias else None
   reference = lambda q, k, v, b: attention.attend(q, k, v, **kw, bias=b)
   fast = lambda q, k, v, b: impl_fn(q, k, v, **kw, bias=b)
@@ -41,8 +43,9 @@ def _assert_same(impl_fn, knobs, *, segment_ids, bias, causal=True, rtol=2e-4):
       np.testing.assert_allclose(g, g_ref, rtol=rtol, atol=rtol * np.abs(g_ref).max(), err_msg=name)
 
 
-def _blocked(q, k, v, **kw):
-  return attention_blocked.attend_blocked(q, k, v, **kw, block=8)
+def _blocked(q, k, v, *, normalization, value_network, nonlinearity="relu", **kw):
+  knobs = attention.Knobs(normalization, value_network, nonlinearity)
+  return attention_blocked.attend_blocked(q, k, v, knobs=knobs, **kw, block=8)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -128,14 +131,32 @@ def test_dot_product_softmax_equals_reference(causal):
   _assert_same(impl, attention.preset("softmax"), segment_ids=SEGMENTS_BT, bias=True, causal=causal)
 
 
-def test_auto_picks_a_memory_linear_implementation_for_every_variant():
-  chosen = {name: attention.choose_impl(knobs["normalization"], knobs["value_network"], causal=True,
-                                        bias=None) for name, knobs in attention.PRESETS.items()}
-  assert chosen["softmax"] == "auto" and chosen["linear"] == "chunked"
-  assert all(impl == "blocked" for name, impl in chosen.items() if name not in ("softmax", "linear"))
-  assert attention.choose_impl("none", "linear", causal=True, bias=jnp.zeros(())) == "blocked"
-  assert attention.choose_impl("none", "linear", causal=False, bias=None) == "blocked"
+def _chosen(preset, *, t=4096, causal=True, bias=False, dropout=False):
+  return attention.choose_impl(attention.Knobs(**attention.preset(preset)),
+                               attention.Call(t, t, causal, bias, dropout))
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_auto_picks_a_memory_linear_implementation_for_every_variant(dropout):
+  """At training lengths, on CPU and TPU, for every preset, with and without dropout. (On GPU, softmax
+  without dropout goes to jax.nn.dot_product_attention, which is cuDNN's flash attention there when
+  the shapes allow.)"""
+  for name in attention.PRESETS:
+    chosen = _chosen(name, dropout=dropout)
+    assert all(attention.IMPLS[chosen[p]].memory_linear for p in ("cpu", "tpu")), (name, chosen)
+  assert _chosen("softmax") == {"cpu": "blocked", "tpu": "pallas", "gpu": "dot_product"}
+  assert _chosen("softmax", t=512)["cpu"] == "dot_product"
+  assert set(_chosen("linear").values()) == {"chunked"} and set(_chosen("hyla").values()) == {"blocked"}
+  assert set(_chosen("linear", bias=True).values()) == {"blocked"}
+  assert set(_chosen("linear", causal=False).values()) == {"blocked"}
   assert model_lib.ModelConfig(V=8).attention_impl == "auto"
+
+
+def test_auto_skips_implementations_that_cannot_drop():
+  for name in ("softmax", "linear", "hyla"):
+    chosen = _chosen(name, dropout=True)
+    assert all(attention.IMPLS[impl].dropout for impl in chosen.values()), (name, chosen)
+  assert set(_chosen("softmax", dropout=True).values()) == {"blocked"}
 
 
 @pytest.mark.parametrize("preset", ["softmax", "linear", "hyla"])
@@ -165,11 +186,15 @@ def test_impl_that_cannot_compute_the_knobs_fails_clearly(knobs, impl, message):
 
 @pytest.mark.parametrize("impl,kw,message", [
     ("pallas", dict(), "tiles sequences in blocks of 128, got lengths 21"),
-    ("chunked", dict(causal=False), "'chunked' is the causal form"),
+    ("chunked", dict(causal=False), "'chunked' computes causal attention only"),
+    ("chunked", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "'chunked' applies no attention "
+     "dropout"),
+    ("blocked", dict(k=jnp.zeros((2, 5, 3, 4))), "needs as many keys as queries, got 21 and 5"),
 ])
 def test_shapes_an_impl_cannot_take_fail_clearly(impl, kw, message):
   q, k, v, _, _ = _inputs()
   knobs = attention.preset("softmax" if impl == "pallas" else "linear")
+  k = kw.pop("k", k)
   with pytest.raises(ValueError, match=message):
     attention.attend(q, k, v, **knobs, **kw, impl=impl)
 
@@ -219,3 +244,75 @@ def test_blocked_hypernetwork_pullback_in_bfloat16(preset):
   blocked, rounded = errors(lambda q, k, v: _blocked(q, k, v, **kw)), errors(reference)
   for name, b, r in zip(("dq", "dk", "dv"), blocked, rounded):
     assert b <= 1.5 * r + 1e-3, (name, b, r)
+
+
+def test_dropout_mask_is_one_mask_that_any_tile_draws_its_part_of():
+  rng = jax.random.key(3)
+  full = attention_core.dropout_keep(rng, jnp.arange(64), jnp.arange(64), 0.25)
+  assert full.shape == (1, 1, 64, 64)  # shared over batch and heads
+  tile = attention_core.dropout_keep(rng, 16 + jnp.arange(16), 48 + jnp.arange(16), 0.25)
+  np.testing.assert_array_equal(tile, full[:, :, 16:32, 48:64])
+  assert 0.70 < float(full.mean()) < 0.80
+  other = attention_core.dropout_keep(jax.random.key(4), jnp.arange(64), jnp.arange(64), 0.25)
+  assert float((other != full).mean()) > 0.2
+
+
+@pytest.mark.parametrize("normalization,value_network", COMBOS)
+def test_blocked_dropout_equals_reference_under_the_same_mask(normalization, value_network):
+  """Tiles of 8 over 21 tokens: each tile's part of the mask, forward and in both backward passes."""
+  knobs = dict(normalization=normalization, value_network=value_network)
+  _assert_same(_blocked, knobs, segment_ids=SEGMENTS_BT, bias=True, dropout_rate=0.3)
+
+
+@pytest.mark.parametrize("impl", [n for n, i in attention.IMPLS.items() if i.dropout and n != "reference"])
+def test_every_dropping_impl_equals_reference_under_the_same_mask(impl):
+  fast = lambda q, k, v, **kw: attention.attend(q, k, v, **kw, impl=impl)
+  _assert_same(fast, attention.preset("hyla"), segment_ids=SEGMENTS_BT, bias=False, causal=False,
+               dropout_rate=0.3)
+  q, k, v, _, _ = _inputs()
+  plain = attention.attend(q, k, v, **attention.preset("hyla"), impl=impl)
+  dropped = attention.attend(q, k, v, **attention.preset("hyla"), impl=impl, dropout_rate=0.3,
+                             dropout_rng=jax.random.key(0))
+  assert not np.allclose(plain, dropped)
+
+
+@pytest.mark.parametrize("preset", ["softmax", "linear", "hyla"])
+def test_model_dropout_takes_the_fast_kernel_with_the_reference_mask(preset):
+  tokens_bt = jax.random.randint(jax.random.key(0), (2, 12), 0, 16)
+  outs = []
+  for impl in ("auto", "reference"):
+    cfg = model_lib.ModelConfig(V=16, D=16, H=2, L=2, F=32, attention=preset, attention_impl=impl,
+                                attention_dropout=0.2)
+    m = model_lib.Transformer(cfg)
+    params = m.init(jax.random.key(1), tokens_bt)
+    run = lambda p, d: m.apply(p, tokens_bt, segment_ids_bt=SEGMENTS_BT[:, :12], deterministic=d,
+                               rngs={"dropout": jax.random.key(2)})
+    outs.append(jax.value_and_grad(lambda p: run(p, False).sum())(params))
+    assert not np.allclose(run(params, False), run(params, True))
+  (auto, g_auto), (ref, g_ref) = outs
+  np.testing.assert_allclose(auto, ref, rtol=1e-4)
+  for a, r in zip(jax.tree.leaves(g_auto), jax.tree.leaves(g_ref)):
+    np.testing.assert_allclose(a, r, rtol=1e-3, atol=1e-4 * np.abs(r).max())
+
+
+def test_training_with_dropout_never_forms_sequence_squared_tensors():
+  """The model's gradient with attention dropout on (HYLA, impl auto) holds no [b, h, t, t]."""
+  cfg = model_lib.ModelConfig(V=16, D=16, H=2, L=1, F=32, attention="hyla", attention_dropout=0.1)
+  tokens_bt = jnp.zeros((1, 300), jnp.int32)
+  m = model_lib.Transformer(cfg)
+  params = m.init(jax.random.key(1), tokens_bt[:, :8])
+  loss = lambda p: m.apply(p, tokens_bt, deterministic=False, rngs={"dropout": jax.random.key(2)}).sum()
+  shapes = list(_shapes(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
+  assert not [s for s in shapes if sum(d in (300, 320) for d in s) >= 2]
+  assert any(s[:2] == (1, 300) for s in shapes), "the check itself sees the sequence"
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(attention="linear", attention_impl="chunked", attention_dropout=0.1),
+     "'chunked' applies no attention dropout"),
+    (dict(attention="hyla", attention_impl="pallas"), "'pallas' computes softmax attention only"),
+    (dict(attention_dropout=1.0), r"attention_dropout must be in \[0, 1\)"),
+])
+def test_model_config_checks_the_impl_against_the_table(fields, message):
+  with pytest.raises(ValueError, match=message):
+    model_lib.ModelConfig(V=8, **fields)

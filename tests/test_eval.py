@@ -47,8 +47,8 @@ def hand_nll(workdir) -> tuple[float, int, int]:
   for b in pipeline.eval_dataset(data.validation, data.tokenizer, seq_len=config.data.seq_len,
                                  batch_size=config.eval.batch_size,
                                  packing_bins=config.data.packing_bins):
-    logits_btv, _ = model.apply({"params": params}, b["inputs"], positions_bt=b["positions"],
-                                segment_ids_bt=b["segment_ids"])
+    logits_btv = model.apply({"params": params}, b["inputs"], positions_bt=b["positions"],
+                             segment_ids_bt=b["segment_ids"])
     logits_btv = np.asarray(logits_btv, np.float64)
     logp_btv = logits_btv - np.log(np.exp(logits_btv - logits_btv.max(-1, keepdims=True)).sum(
         -1, keepdims=True)) - logits_btv.max(-1, keepdims=True)

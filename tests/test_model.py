@@ -18,10 +18,10 @@ def _model(**kw):
 @pytest.mark.parametrize("name", list(attention.PRESETS))
 def test_every_preset_is_causal_end_to_end(name):
   m, params, tokens_bt = _model(attention=name)
-  logits, _ = m.apply({"params": params}, tokens_bt)
+  logits = m.apply({"params": params}, tokens_bt)
   t = 5
   changed = tokens_bt.at[:, t + 1:].set((tokens_bt[:, t + 1:] + 1) % 50)
-  logits2, _ = m.apply({"params": params}, changed)
+  logits2 = m.apply({"params": params}, changed)
   np.testing.assert_allclose(logits[:, :t + 1], logits2[:, :t + 1], rtol=1e-5, atol=1e-5)
   assert not np.allclose(logits[:, t + 1:], logits2[:, t + 1:])
 
@@ -31,11 +31,11 @@ def test_packed_documents_do_not_see_each_other(positions):
   m, params, tokens_bt = _model(attention="hyla", positions=positions)
   seg_bt = jnp.array([[1] * 5 + [2] * 7] * 2)
   pos_bt = jnp.array([list(range(5)) + list(range(7))] * 2)
-  run = lambda t: m.apply({"params": params}, t, positions_bt=pos_bt, segment_ids_bt=seg_bt)[0]
+  run = lambda t: m.apply({"params": params}, t, positions_bt=pos_bt, segment_ids_bt=seg_bt)
   changed = tokens_bt.at[:, :5].set((tokens_bt[:, :5] + 3) % 50)
   np.testing.assert_allclose(run(tokens_bt)[:, 5:], run(changed)[:, 5:], rtol=1e-5, atol=1e-5)
   # The second document alone, at the start of a row, gives the same outputs: positions restart.
-  alone, _ = m.apply({"params": params}, tokens_bt[:, 5:])
+  alone = m.apply({"params": params}, tokens_bt[:, 5:])
   np.testing.assert_allclose(run(tokens_bt)[:, 5:], alone, rtol=1e-4, atol=1e-4)
 
 
@@ -55,12 +55,12 @@ def test_tied_embeddings_drop_the_output_matrix():
 
 def test_latent_codes_are_the_normalised_scores_and_do_not_change_outputs():
   m, params, tokens_bt = _model(attention="hyla", L=3)
-  plain, none = m.apply({"params": params}, tokens_bt)
-  logits, codes = m.apply({"params": params}, tokens_bt, return_codes=True)
-  assert none is None and len(codes) == 3
-  # The plain pass runs the fast kernel (impl auto), the codes pass the materialised scores: equal up to
-  # float32 rounding.
-  np.testing.assert_allclose(plain, logits, rtol=1e-5, atol=1e-5)
+  plain = m.apply({"params": params}, tokens_bt)
+  logits, _ = m.apply({"params": params}, tokens_bt, mutable="codes")
+  codes = model_lib.latent_codes(m, params, tokens_bt)
+  assert len(codes) == 3
+  # Asking for codes changes nothing else: the same outputs, the same kernel (impl auto).
+  np.testing.assert_allclose(plain, logits, rtol=1e-6, atol=1e-6)
   assert codes[0].shape == (2, 4, 12, 12)
   rms = np.sqrt(np.mean(np.square(codes[1]), axis=1))
   causal = np.tril(np.ones((12, 12), bool))
@@ -70,8 +70,8 @@ def test_latent_codes_are_the_normalised_scores_and_do_not_change_outputs():
 
 def test_bidirectional_model_sees_the_future():
   m, params, tokens_bt = _model(causal=False, positions="relative_bias")
-  logits, _ = m.apply({"params": params}, tokens_bt)
-  logits2, _ = m.apply({"params": params}, tokens_bt.at[:, -1].set((tokens_bt[:, -1] + 1) % 50))
+  logits = m.apply({"params": params}, tokens_bt)
+  logits2 = m.apply({"params": params}, tokens_bt.at[:, -1].set((tokens_bt[:, -1] + 1) % 50))
   assert not np.allclose(logits[:, 0], logits2[:, 0])
 
 
@@ -97,12 +97,12 @@ def test_rotary_preserves_norms_and_depends_on_relative_offset():
 
 def test_remat_and_bfloat16_keep_the_function():
   m, params, tokens_bt = _model(attention="hyla")
-  ref, _ = m.apply({"params": params}, tokens_bt)
+  ref = m.apply({"params": params}, tokens_bt)
   remat = model_lib.Transformer(model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla",
                                                       remat=True))
-  np.testing.assert_allclose(remat.apply({"params": params}, tokens_bt)[0], ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(remat.apply({"params": params}, tokens_bt), ref, rtol=1e-5, atol=1e-5)
   bf16 = model_lib.Transformer(model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla",
                                                      dtype="bfloat16"))
-  out, _ = bf16.apply({"params": params}, tokens_bt)
+  out = bf16.apply({"params": params}, tokens_bt)
   assert out.dtype == jnp.float32 and np.abs(np.asarray(out) - np.asarray(ref)).max() < 0.1
   assert jax.tree.leaves(params)[0].dtype == jnp.float32

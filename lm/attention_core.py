@@ -1,0 +1,173 @@
+"""The attention core's definition: masks, scores, normalisations, value networks, dropout.
+
+q, k, v: [batch, seq, heads, head_dim] → out like q, in three steps (docs/paper.md):
+  1. scores  s_bhqk = q·k / sqrt(d) + bias, masked by causality and packed-document segments;
+  2. normalisation σ: softmax over keys, none, or rms_head (RMS over the head axis per (q, k));
+     attention dropout then zeroes whole (q, k) pairs, one mask shared over batch and heads;
+  3. value network: linear, out_bqhd = Σ_k a_bhqk v_bkhd; or hypernetwork,
+     z_bkqd = Σ_h a_bhqk v_bkhd, out_bqhd = Σ_k a_bhqk φ(z_bkqd).
+
+`reference` is this definition written out with einsums. The kernels (attention_blocked.py,
+attention_linear.py, attention_softmax.py) build on these functions and import nothing else of ours;
+lm/attention.py says which of them computes what.
+"""
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.extend.random as jax_random
+import jax.numpy as jnp
+
+NORMALIZATIONS = ("softmax", "none", "rms_head")
+# Each value network with its matmul products per (query, key) pair and head dimension besides the score
+# q·k: linear a·v; hypernetwork z = Σ_h a·v and a·φ(z). lm/flops.py counts the core's work from this.
+VALUE_NETWORKS = {"linear": 1, "hypernetwork": 2}
+NONLINEARITIES: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "relu": jax.nn.relu,
+    "gelu": jax.nn.gelu,
+    "silu": jax.nn.silu,
+    "sigmoid": jax.nn.sigmoid,
+    "tanh": jnp.tanh,
+    "identity": lambda x: x,
+}
+RMS_HEAD_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+  """One setting of the core: step 2's normalisation, step 3's value network and its φ."""
+  normalization: str
+  value_network: str
+  nonlinearity: str = "relu"
+
+  def __post_init__(self):
+    for what, value, valid in (("normalization", self.normalization, NORMALIZATIONS),
+                               ("value_network", self.value_network, tuple(VALUE_NETWORKS)),
+                               ("nonlinearity", self.nonlinearity, tuple(NONLINEARITIES))):
+      if value not in valid:
+        raise ValueError(f"unknown attention {what} {value!r}; choose one of: {', '.join(valid)}")
+
+
+def pair_flops(knobs: Knobs, width: int) -> int:
+  """Forward FLOPs of one (query, key) pair over heads of total width `width`: a multiply-add per
+  dimension for the score and for each of the value network's products."""
+  return 2 * width * (1 + VALUE_NETWORKS[knobs.value_network])
+
+
+def pair_mask(q_pos_q: jax.Array, k_pos_k: jax.Array, *, causal: bool,
+              q_segment_ids_bq: jax.Array | None = None,
+              k_segment_ids_bk: jax.Array | None = None) -> jax.Array | None:
+  """Boolean [batch or 1, 1, q, k] mask of allowed pairs among the given positions, or None when
+  everything is allowed."""
+  mask = None
+  if causal:
+    mask = (q_pos_q[:, None] >= k_pos_k[None, :])[None, None]
+  if q_segment_ids_bq is not None:
+    same_bqk = q_segment_ids_bq[:, :, None] == k_segment_ids_bk[:, None, :]
+    mask = same_bqk[:, None] if mask is None else mask & same_bqk[:, None]
+  return mask
+
+
+def attention_mask(q_len: int, k_len: int, *, causal: bool,
+                   segment_ids: jax.Array | None) -> jax.Array | None:
+  """Boolean [batch or 1, 1, q, k] mask of allowed pairs, or None when everything is allowed."""
+  return pair_mask(jnp.arange(q_len), jnp.arange(k_len), causal=causal, q_segment_ids_bq=segment_ids,
+                   k_segment_ids_bk=segment_ids)
+
+
+def masked_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, bias: jax.Array | None,
+                  mask: jax.Array | None) -> jax.Array:
+  """Step 1: s_bhqk = q·k / sqrt(d) + bias in float32, masked entries 0."""
+  scale = q_bqhd.shape[-1] ** -0.5
+  s_bhqk = jnp.einsum("bqhd,bkhd->bhqk", q_bqhd, k_bkhd, preferred_element_type=jnp.float32) * scale
+  if bias is not None:
+    s_bhqk = s_bhqk + bias.astype(jnp.float32)
+  if mask is not None:
+    # Zeroing before σ is what keeps masked entries out of the RMS over heads as well.
+    s_bhqk = jnp.where(mask, s_bhqk, 0.0)
+  return s_bhqk
+
+
+def rms_head(s_bhqk: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """s divided by its root mean square over the heads of its (q, k) pair, and the reciprocal RMS
+  r_b1qk (the blocked kernel's pullback reuses it)."""
+  r_b1qk = jax.lax.rsqrt(jnp.mean(jnp.square(s_bhqk), axis=1, keepdims=True) + RMS_HEAD_EPS)
+  return s_bhqk * r_b1qk, r_b1qk
+
+
+def normalize(s_bhqk: jax.Array, mask: jax.Array | None, *, normalization: str,
+              lse_bhq: jax.Array | None = None) -> jax.Array:
+  """Step 2 on masked scores. Softmax over a slice of the keys takes the full row's log-sum-exp
+  `lse_bhq` (as the blocked kernel does); without it, the softmax is over the keys given."""
+  if normalization == "softmax":
+    if lse_bhq is not None:
+      # -inf (not a large negative) where masked: exp gives exactly 0 and a zero gradient.
+      s_bhqk = s_bhqk - lse_bhq[..., None]
+      return jnp.exp(s_bhqk if mask is None else jnp.where(mask, s_bhqk, -jnp.inf))
+    if mask is not None:
+      s_bhqk = jnp.where(mask, s_bhqk, jnp.finfo(jnp.float32).min)
+    a_bhqk = jax.nn.softmax(s_bhqk, axis=-1)
+  elif normalization == "none":
+    a_bhqk = s_bhqk
+  elif normalization == "rms_head":
+    a_bhqk = rms_head(s_bhqk)[0]
+  else:
+    raise ValueError(f"unknown attention normalization {normalization!r}; "
+                     f"choose one of: {', '.join(NORMALIZATIONS)}")
+  if mask is not None:
+    a_bhqk = jnp.where(mask, a_bhqk, 0.0)
+  return a_bhqk
+
+
+def dropout_keep(rng: jax.Array, q_pos_q: jax.Array, k_pos_k: jax.Array, rate: float) -> jax.Array:
+  """Boolean [1, 1, q, k]: the (query, key) pairs attention dropout keeps among the given positions,
+  one mask shared over batch and heads (as the paper's code). Counter-based, as flash attention's
+  dropout: a pair's draw is the Threefry hash of its (query, key) positions under a key taken from
+  `rng`, so a tile of any kernel draws exactly its part of the reference's [t, t] mask."""
+  seed = jax.random.bits(rng, (2,), jnp.uint32)
+  count_2qk = jnp.stack(jnp.broadcast_arrays(q_pos_q[:, None], k_pos_k[None, :])).astype(jnp.uint32)
+  bits_qk = jax_random.threefry_2x32((seed[0], seed[1]), count_2qk)[0]
+  return (bits_qk >= jnp.uint32(min(round(rate * 2 ** 32), 2 ** 32 - 1)))[None, None]
+
+
+def drop(a_bhqk: jax.Array, keep_11qk: jax.Array, rate: float) -> jax.Array:
+  """Dropout of normalised scores: kept pairs scaled by 1 / (1 - rate), the others 0."""
+  return jnp.where(keep_11qk, a_bhqk / (1 - rate), 0.0)
+
+
+def apply_value_network(a_bhqk: jax.Array, v_bkhd: jax.Array, *, value_network: str,
+                        nonlinearity: str = "relu") -> jax.Array:
+  """Step 3, on given scores: [batch, heads, q, k] × [batch, k, heads, d] → [batch, q, heads, d]."""
+  a_bhqk = a_bhqk.astype(v_bkhd.dtype)
+  if value_network == "linear":
+    return jnp.einsum("bhqk,bkhd->bqhd", a_bhqk, v_bkhd)
+  if value_network == "hypernetwork":
+    # z is the generated first layer applied to x_k: one d-vector per (query, key) pair. Key-major,
+    # as the contraction over heads is a matmul batched over keys: z is never transposed.
+    z_bkqd = jnp.einsum("bhqk,bkhd->bkqd", a_bhqk, v_bkhd)
+    return jnp.einsum("bhqk,bkqd->bqhd", a_bhqk, NONLINEARITIES[nonlinearity](z_bkqd))
+  raise ValueError(f"unknown attention value_network {value_network!r}; "
+                   f"choose one of: {', '.join(VALUE_NETWORKS)}")
+
+
+def normalized_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, *, normalization: str,
+                      causal: bool = True, segment_ids: jax.Array | None = None,
+                      bias: jax.Array | None = None) -> jax.Array:
+  """Steps 1-2, for evaluation (the latent codes): a_bhqk in float32. For a (q, k) pair, a[:, :, q, k]
+  across heads is the pair's latent code; masked entries are exactly 0 in every normalisation."""
+  mask = attention_mask(q_bqhd.shape[1], k_bkhd.shape[1], causal=causal, segment_ids=segment_ids)
+  return normalize(masked_scores(q_bqhd, k_bkhd, bias, mask), mask, normalization=normalization)
+
+
+def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: Knobs, causal: bool,
+              segment_ids: jax.Array | None, bias: jax.Array | None, dropout_rate: float,
+              dropout_rng: jax.Array | None) -> jax.Array:
+  """The definition with einsums: [b, h, t, t] scores and, for the hypernetwork, z as [b, t, t, d]."""
+  a_bhqk = normalized_scores(q, k, normalization=knobs.normalization, causal=causal,
+                             segment_ids=segment_ids, bias=bias)
+  if dropout_rate:
+    keep_11qk = dropout_keep(dropout_rng, jnp.arange(q.shape[1]), jnp.arange(k.shape[1]), dropout_rate)
+    a_bhqk = drop(a_bhqk, keep_11qk, dropout_rate)
+  return apply_value_network(a_bhqk, v, value_network=knobs.value_network,
+                             nonlinearity=knobs.nonlinearity).astype(q.dtype)

@@ -1,0 +1,81 @@
+"""The package's import graph, read from the source: no cycle and no upward import (docs/design.md,
+Layout), and the attention wing's layering (lm/attention.py's docstring)."""
+
+import ast
+import graphlib
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Each package and the packages it may import besides itself: launch → lm → data_pipelines, eval → lm.
+ALLOWED = {"launch": {"lm", "data_pipelines"}, "eval": {"lm", "data_pipelines"}, "lm": {"data_pipelines"},
+           "data_pipelines": set(), "configs": {"data_pipelines"}}
+# Known upward imports, each to be removed from here with the import itself.
+KNOWN = {
+    # lm-prepare's command line uses lm.cli; it moves beside the other commands (issue 18, branch trainer).
+    ("data_pipelines.prepare", "lm.cli"),
+}
+KERNELS = ("lm.attention_blocked", "lm.attention_linear", "lm.attention_softmax")
+
+
+def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
+  """Module → the modules of ours it imports anywhere in its source (functions included)."""
+  modules = {".".join(p.relative_to(root).with_suffix("").parts): p
+             for package in ALLOWED for p in (root / package).rglob("*.py")}
+  modules = {m.removesuffix(".__init__"): p for m, p in modules.items()}
+  graph = {}
+  for module, path in modules.items():
+    graph[module] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        # `from lm import model` imports the module lm.model; `from lm.model import X`, lm.model.
+        names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                 for a in node.names]
+      else:
+        continue
+      graph[module] |= {n for n in names if n in modules and n != module}
+  return graph
+
+
+def problems(graph: dict[str, set[str]]) -> list[str]:
+  """Upward imports (not in KNOWN) and import cycles, as readable lines."""
+  def rule(package):
+    allowed = sorted(ALLOWED[package])
+    return f"{package} may import only {', '.join(allowed)}" if allowed else f"{package} imports nothing"
+
+  found = [f"{m} imports {t}: {rule(m.split('.')[0])} of ours"
+           for m, targets in sorted(graph.items()) for t in sorted(targets)
+           if t.split(".")[0] not in ALLOWED[m.split(".")[0]] | {m.split(".")[0]} and (m, t) not in KNOWN]
+  try:
+    graphlib.TopologicalSorter(graph).prepare()
+  except graphlib.CycleError as e:
+    found.append(f"import cycle: {' -> '.join(e.args[1])}")
+  return found
+
+
+def test_no_upward_import_and_no_cycle():
+  graph = import_graph(ROOT)
+  assert {"lm.attention", "lm.model", "eval.latent", "launch.compile", "data_pipelines.sraven"} <= set(graph)
+  assert not problems(graph), "\n".join(problems(graph))
+  for module, target in KNOWN:
+    assert target in graph[module], f"{module} no longer imports {target}: remove it from KNOWN"
+
+
+def test_attention_kernels_import_only_the_core():
+  graph = import_graph(ROOT)
+  assert graph["lm.attention_core"] == set()
+  for kernel in KERNELS:
+    assert graph[kernel] <= {"lm.attention_core"}, (kernel, graph[kernel])
+  assert set(KERNELS) | {"lm.attention_core"} <= graph["lm.attention"]
+
+
+def test_the_check_finds_a_cycle_and_an_upward_import(tmp_path):
+  for package in ALLOWED:
+    (tmp_path / package).mkdir()
+  (tmp_path / "lm" / "a.py").write_text("from lm import b\n")
+  (tmp_path / "lm" / "b.py").write_text("def f():\n  import lm.a\n")
+  (tmp_path / "data_pipelines" / "c.py").write_text("from lm.a import thing\n")
+  found = problems(import_graph(tmp_path))
+  assert "data_pipelines.c imports lm.a: data_pipelines imports nothing of ours" in found
+  assert any(line.startswith("import cycle: ") and "lm.a" in line and "lm.b" in line for line in found)
