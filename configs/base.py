@@ -45,4 +45,15 @@ def get_config() -> ml_collections.ConfigDict:
       every_steps=1000,
       batch_size=64,          # global rows per evaluation step
   ))
+  # JAX's persistent compilation cache, so that a restarted run skips compiling: "" keeps it in
+  # WORKDIR/compilation_cache; "none" turns it off; any other value is its directory (gs:// too).
+  c.compilation_cache = ""
+  # Hang watchdog of lm-train: when no step completes within step_secs, every thread's stack goes to
+  # the log and the process exits with status 75, for a restart (0: off). The first step and each
+  # evaluation may compile: they get first_step_secs.
+  c.watchdog = ml_collections.ConfigDict(dict(step_secs=1800.0, first_step_secs=7200.0))
+  # The run log (metrics.jsonl and TensorBoard) is always written; Weights & Biases too when
+  # wandb_project is set (the `wandb` extra). wandb_dir: its local files ("": the current directory).
+  c.metrics = ml_collections.ConfigDict(dict(
+      wandb_project="", wandb_entity="", wandb_mode="online", wandb_dir=""))
   return c

@@ -1,7 +1,5 @@
-"""`lm-prepare`: text and JSON(.gz) files → ArrayRecord shards that `data.source=array_record` reads.
-
-    lm-prepare --train='c4/en/c4-train.*.json.gz' --validation='c4/en/c4-validation.*.json.gz' \
-        --output=DIR [--tokenizer=MODEL --pretokenize] [--train_tokenizer=V] [--workers=N]
+"""Text and JSON(.gz) files → ArrayRecord shards that `data.source=array_record` reads (the library
+of `lm-prepare`, whose command line is launch/prepare.py).
 
 Inputs: `.json`/`.jsonl` files of one JSON object with a "text" field per line (C4's own format,
 {"text", "url", "timestamp"}), `.txt` files that are one document each; any of them gzipped (`.gz`).
@@ -22,11 +20,9 @@ import os
 from typing import Iterator
 
 import tqdm
-from absl import flags
 from etils import epath
 
 from data_pipelines import records, tokenizer as tokenizer_lib
-from lm import cli
 
 GROUP = 256  # documents per SentencePiece call when pre-tokenizing
 
@@ -140,49 +136,3 @@ def prepare(splits: dict[str, list[epath.Path]], output: epath.Path, *, tokenize
         t[k] += done[k]
       bar.set_postfix(documents=sum(t["documents"] for t in totals.values()))
   return totals
-
-
-FLAGS = flags.FLAGS
-
-
-def main(argv):
-  del argv
-  splits = {"train": expand(FLAGS.train), "validation": expand(FLAGS.validation)}
-  for split, files in splits.items():
-    if not files:
-      raise SystemExit(f"lm-prepare: --{split}={getattr(FLAGS, split)!r} matches no file")
-  output = epath.Path(FLAGS.output)
-  if FLAGS.train_tokenizer and FLAGS.pretokenize:
-    raise SystemExit("lm-prepare: --train_tokenizer needs text shards: prepare the text first, then "
-                     "pre-tokenize into another directory with --tokenizer=the trained model")
-  try:
-    totals = prepare(splits, output, tokenizer=FLAGS.tokenizer, pretokenize=FLAGS.pretokenize,
-                     workers=FLAGS.workers)
-    if FLAGS.train_tokenizer:
-      model = tokenizer_lib.model_path(output, FLAGS.train_tokenizer)
-      if not model.exists():
-        tokenizer_lib.train(records.shard_paths(output, "train"), model, FLAGS.train_tokenizer)
-      print(f"tokenizer: {model}")
-    elif FLAGS.tokenizer:
-      tok = tokenizer_lib.Tokenizer(FLAGS.tokenizer)
-      print(f"tokenizer: {FLAGS.tokenizer}, {tok.vocab_size} pieces (set model.V={tok.vocab_size})")
-  except (ValueError, FileNotFoundError, RuntimeError) as e:  # RuntimeError: SentencePiece's
-    raise SystemExit(f"lm-prepare: {e}") from e
-  print(json.dumps(totals, indent=1))
-
-
-def run():
-  flags.DEFINE_string("train", None, "Glob(s), comma-separated, of the train split's input files.")
-  flags.DEFINE_string("validation", None, "Glob(s) of the validation split's input files.")
-  flags.DEFINE_string("output", None, "Directory of the ArrayRecord shards (data.dir).")
-  flags.DEFINE_string("tokenizer", "", "A SentencePiece .model file (local or gs://).")
-  flags.DEFINE_bool("pretokenize", False, "Store token ids instead of text (needs --tokenizer).")
-  flags.DEFINE_integer("train_tokenizer", 0, "Train a BPE SentencePiece model of this many pieces "
-                       "on the train split into the output directory (not with --pretokenize).")
-  flags.DEFINE_integer("workers", os.cpu_count() or 1, "Worker processes (files in parallel).")
-  flags.mark_flags_as_required(["train", "validation", "output"])
-  cli.run(main, __name__)
-
-
-if __name__ == "__main__":
-  run()

@@ -10,7 +10,7 @@ their document's context window.
 import json
 
 import jax
-from absl import flags, logging
+from absl import flags
 from etils import epath
 
 from lm import checkpointing, cli
@@ -43,8 +43,6 @@ def evaluate(workdir: str, step: int | None = None, split: str = "validation") -
 
 def main(argv):
   del argv
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
   try:
     result = evaluate(flags.FLAGS.workdir, flags.FLAGS.step, flags.FLAGS.split)
   except (ValueError, FileNotFoundError) as e:
@@ -53,8 +51,6 @@ def main(argv):
 
 
 def run():
-  # Defined here, not on import: lm.train (imported beside this module by the sweep's tests and by
-  # library users) defines its own --workdir.
   flags.DEFINE_string("workdir", None, "A training run's directory (lm-train --workdir).")
   flags.DEFINE_integer("step", None, "Checkpoint step to evaluate; default: the latest.")
   flags.DEFINE_string("split", "validation", "Evaluation set of the task.")

@@ -21,7 +21,7 @@ import time
 import urllib.parse
 
 import ml_collections
-from absl import flags, logging
+from absl import flags
 from etils import epath
 from ml_collections import config_flags
 
@@ -304,8 +304,6 @@ def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list
 def main(argv):
   if len(argv) > 1:
     raise SystemExit(f"lm-grid: unexpected argument {argv[1]!r}; every option is a --flag")
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
   start = time.perf_counter()
   try:
     text = grid(config_flags.get_config_filename(FLAGS["config"]), normalize_overrides(sys.argv[1:]),
@@ -321,7 +319,6 @@ def main(argv):
 
 
 def run():
-  # Defined here, not on import: tests import this module next to lm.train, which defines --config.
   config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
   flags.DEFINE_string("root", None, "Directory holding one workdir per grid point and the summary.")
   flags.DEFINE_list("presets", ["softmax", "linear", "hyla"], "Attention presets (lm.attention.PRESETS).")

@@ -25,7 +25,7 @@ import json
 import jax
 import matplotlib
 import numpy as np
-from absl import flags, logging
+from absl import flags
 from etils import epath
 from sklearn.decomposition import PCA
 from sklearn.linear_model import LogisticRegression, Ridge
@@ -171,8 +171,6 @@ def analyse(workdir: str, step: int | None = None, examples: int = 2048,
 
 def main(argv):
   del argv
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
   try:
     result = analyse(flags.FLAGS.workdir, flags.FLAGS.step, flags.FLAGS.examples,
                      flags.FLAGS.paper_examples)
@@ -182,7 +180,6 @@ def main(argv):
 
 
 def run():
-  # Defined here, not at import, so that lm-ablate can import this module next to lm.train's flags.
   flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
   flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
   flags.DEFINE_integer("examples", 2048, "Instances per split (training tasks, OOD tasks), our protocol.")

@@ -1,7 +1,7 @@
 """lm-launch: run a command here, as N local processes, or on every worker of a TPU VM slice.
 
   lm-launch local -- CMD ...
-  lm-launch processes -n N [--port P] [--xla_devices K] -- CMD ...
+  lm-launch processes -n N [--port P] [--xla_devices K] [--max-restarts R] -- CMD ...
   lm-launch tpu {create,install,run,logs,stop,delete,up} [--name ...] [--dry-run] [-- CMD ...]
   lm-launch sky [--name ...] [--spot] [--dry-run] -- lm-train ... --workdir=gs://...
 """
@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
   procs.add_argument("--port", type=int, help="coordinator port (default: a free one)")
   procs.add_argument("--xla_devices", type=int,
                      help="simulated CPU devices per process (XLA's host platform device count)")
+  procs.add_argument("--max-restarts", type=int, default=0,
+                     help="when a process dies (non-zero exit or a signal), stop the others and "
+                          "start all again, up to this many times; a trainer resumes from its "
+                          "latest checkpoint (default: %(default)s)")
 
   slice_flags = argparse.ArgumentParser(add_help=False)
   defaults = tpu.Slice()
@@ -120,7 +124,9 @@ def main(argv: Sequence[str] | None = None, runner: tpu.Runner | None = None) ->
       parser.error("-n must be at least 1")
     if args.xla_devices is not None and args.xla_devices < 1:
       parser.error("--xla_devices must be at least 1")
-    return processes.run(cmd, args.num_processes, args.port, args.xla_devices)
+    if args.max_restarts < 0:
+      parser.error("--max-restarts must be at least 0")
+    return processes.run(cmd, args.num_processes, args.port, args.xla_devices, args.max_restarts)
   if args.mode == "sky":
     return _sky(parser, args, cmd, runner)
 

@@ -18,7 +18,7 @@ import time
 
 import jax
 import ml_collections
-from absl import app, flags, logging
+from absl import app, flags
 from jax.experimental import topologies
 from ml_collections import config_flags
 
@@ -171,8 +171,6 @@ def format_report(r: dict) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected argument {argv[1]!r}; flags are --config, --topology, --json")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
   try:
     r = report(flags.FLAGS.config, flags.FLAGS.topology)
   except UsageError as e:
@@ -183,7 +181,6 @@ def main(argv):
 
 
 def run():
-  # Defined here, not on import: benchmarks/compile_table.py imports this module beside its own flags.
   config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
   flags.DEFINE_string("topology", "v5e:4x4", "TPU topology CHIP:AxB[xC], e.g. v5e:4x4 (the 16 "
                       "chips of v5litepod-16), v5p:2x2x2, v6e:2x2.")

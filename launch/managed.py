@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from launch import tpu
+from lm import watchdog
 
 # SkyPilot's default: after a preemption, try the next region at once rather than wait in this one.
 _STRATEGY = "EAGER_NEXT_REGION"
@@ -57,7 +58,9 @@ def task(job: Job, cmd: Sequence[str]) -> dict:
           "accelerator_args": {"runtime_version": job.runtime_version},
           "use_spot": job.spot,
           "job_recovery": {"strategy": _STRATEGY,
-                           "max_restarts_on_errors": job.max_restarts_on_errors},
+                           "max_restarts_on_errors": job.max_restarts_on_errors,
+                           # A hang the watchdog ended is always worth a restart.
+                           "recover_on_exit_codes": [watchdog.HUNG_EXIT_STATUS]},
       },
       # Synced to ~/sky_workdir on every host (less what .gitignore excludes); setup and run start there.
       "workdir": str(tpu.ROOT),

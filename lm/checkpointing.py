@@ -21,7 +21,8 @@ from etils import epath
 # computed or how long training runs, not what the saved arrays and data positions mean.
 MUTABLE_FIELDS = ("model.attention_impl", "model.remat", "model.dtype", "train.steps",
                   "train.log_every_steps", "train.on_nonfinite", "eval", "checkpoint", "mesh",
-                  "data.dir", "data.tokenizer", "data.threads")
+                  "data.dir", "data.tokenizer", "data.threads", "compilation_cache",
+                  "watchdog", "metrics")
 
 
 class DataShards:

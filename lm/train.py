@@ -1,4 +1,5 @@
-"""Training loop: `lm-train --config=configs/X.py --workdir=DIR [--config.a.b=v ...]`.
+"""Training loop: `train_and_evaluate(config, workdir)`, and the command
+`lm-train --config=configs/X.py --workdir=DIR [--config.a.b=v ...]` around it.
 
 Resumes from the latest complete checkpoint in DIR; on SIGTERM finishes the step, saves, exits 0.
 """
@@ -10,24 +11,14 @@ import time
 import jax
 import ml_collections
 import numpy as np
-from absl import flags, logging
+from absl import flags
 from etils import epath
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from data_pipelines import pipeline
-from lm import checkpointing, cli, flops, metrics
+from lm import checkpointing, cli, compilation_cache, flops, goodput, metrics, wandb_log, watchdog
 from lm.experiment import Experiment
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
-_JAX_DISTRIBUTED = flags.DEFINE_bool(
-    "jax_distributed", False, "Call jax.distributed.initialize() with no arguments (TPU VM slices, "
-    "where the environment describes the job).")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
-
 
 class HostData:
   """This process's logical data shards and their host-local batch.
@@ -86,13 +77,14 @@ def _setup(config: ml_collections.ConfigDict, workdir: epath.Path):
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains (or resumes) to config.train.steps and returns the final evaluation metrics."""
+  """Trains (or resumes) to config.train.steps and returns the final evaluation metrics.
+
+  Mistakes in the config, the data or the workdir raise ValueError or FileNotFoundError, before
+  anything is trained, with a message that names the fix."""
   workdir = epath.Path(workdir)
-  try:
-    exp, data, ckpt, latest = _setup(config, workdir)
-  except (ValueError, FileNotFoundError) as e:
-    # Mistakes in the config, the data or the workdir: the message names the fix.
-    raise SystemExit(f"lm-train: {e}") from e
+  clock = goodput.Clock()
+  compilation_cache.enable(config.compilation_cache, workdir)
+  exp, data, ckpt, latest = _setup(config, workdir)
   is_main = jax.process_index() == 0
   if is_main:
     (workdir / "config.json").write_text(config.to_json(indent=1))
@@ -104,6 +96,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         f"{procs} process{'es' * (procs > 1)}, {devices} device{'s' * (devices > 1)}, "
         f"mesh {dict(exp.mesh.shape)}", flush=True)
 
+  clock.enter("restoring")
   if latest is None:
     state = exp.init_state()
   else:
@@ -113,14 +106,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   first = int(jax.device_get(state.step))
   eval_sets = exp.eval_sets()
   writer = metrics.Writer(workdir, enabled=is_main)
+  if is_main and config.metrics.wandb_project:
+    writer = wandb_log.Tee(writer, config.metrics, workdir, config.to_dict())
   # What lm-compare labels the run with; written on every (re)start, so the log alone describes it.
   writer.write(first, "run", {"attention": exp.model_cfg.attention, "num_params": exp.num_params,
                               "tokens_per_step": tokens_per_step})
   progress = metrics.Progress(steps, tokens_per_step, first, flops_per_token,
                               flops.peak_flops(jax.devices()))
   preemption = Preemption()
+  clock.enter("training")
 
   def run_eval(step: int, sets=eval_sets) -> dict:
+    watchdog.compiling(f"evaluation at step {step}")
+    clock.enter("evaluating")
     results = {}
     for name, batches in sets.items():
       start = time.perf_counter()
@@ -131,56 +129,59 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                         if k != "tokens_seen" and isinstance(v, numbers.Real))
       print(f"eval {name} at step {step}: {shown} ({time.perf_counter() - start:.1f}s)", flush=True)
       results[name] = result
+    clock.enter("training")
     return results
 
-  def check(step: int, stats: dict) -> dict:
-    stats = {k: float(v) for k, v in jax.device_get(stats).items()}
-    if not stats.pop("finite"):
-      message = (f"non-finite loss {stats['loss']} or gradient norm {stats['grad_norm']} at step "
-                 f"{step}; the update was not applied")
-      if config.train.on_nonfinite == "stop":
-        raise FloatingPointError(f"{message}. Stopping; the latest checkpoint is at step "
-                                 f"{ckpt.latest_step()}. Lower train.lr or set train.on_nonfinite=skip")
-      print(f"warning: {message} (train.on_nonfinite=skip)", flush=True)
-      writer.write(step, "skipped", stats)
-    return stats
+  def read(unread: list[tuple[int, dict]], keep: int) -> list[tuple[int, dict]]:
+    """Reads, checks and logs the metrics of the unread steps but the newest `keep`; returns those."""
+    for step, stats in unread[:len(unread) - keep]:
+      stats = {k: float(v) for k, v in jax.device_get(stats).items()}
+      watchdog.step_done()
+      if step == first + 1:
+        progress.mark(step)  # throughput is timed from here: the first step compiles
+      if not stats.pop("finite"):
+        message = (f"non-finite loss {stats['loss']} or gradient norm {stats['grad_norm']} at step "
+                   f"{step}; the update was not applied")
+        if config.train.on_nonfinite == "stop":
+          raise FloatingPointError(f"{message}. Stopping; the latest checkpoint is at step "
+                                   f"{ckpt.latest_step()}. Lower train.lr or set train.on_nonfinite=skip")
+        print(f"warning: {message} (train.on_nonfinite=skip)", flush=True)
+        writer.write(step, "skipped", stats)
+      if step % config.train.log_every_steps == 0 or step == steps:
+        stats.update(progress.report(step, stats["loss"]))
+        writer.write(step, "train", {**stats, "tokens_seen": step * tokens_per_step})
+        writer.write(step, "goodput", clock.totals())
+    return unread[len(unread) - keep:]
 
-  def report(step: int, stats: dict) -> None:
-    stats.update(progress.report(step, stats["loss"]))
-    writer.write(step, "train", {**stats, "tokens_seen": step * tokens_per_step})
-
-  pending = None  # (step, stats) of the previous step, read after the next one is dispatched
+  unread = []  # (step, stats) of dispatched steps whose metrics are still on the device
   for step in range(first + 1, steps + 1):
     state, stats = exp.train_step(state, exp.global_batch(data.next()))
-    if pending is not None:
-      done_step, done_stats = pending[0], check(*pending)
-      if done_step % config.train.log_every_steps == 0:
-        report(done_step, done_stats)
-    pending = (step, stats)
-    if step == first + 1:
-      jax.block_until_ready(stats)
-      progress.mark(step)
+    unread.append((step, stats))
     stop = preemption.reached(step)
-    if stop or step == steps or step % config.checkpoint.every_steps == 0:
-      # Saving reads this step's state, which the next step would donate: check it first.
-      stats = check(*pending)
-      if step % config.train.log_every_steps == 0 or step == steps:
-        report(step, stats)
-      pending = None
+    save = stop or step == steps or step % config.checkpoint.every_steps == 0
+    # The one place metrics are read: one step late, so the host has dispatched the next step
+    # before it waits for this one; all of them before a save, so a checkpoint holds checked steps.
+    unread = read(unread, keep=0 if save else 1)
+    if save:
+      clock.enter("checkpointing")
       start = time.perf_counter()
       ckpt.save(step, state, data.shards, config, force=True)
       writer.write(step, "checkpoint", {"seconds_blocked": time.perf_counter() - start})
+      clock.enter("training")
     if stop:
+      clock.enter("checkpointing")
       ckpt.wait()
+      writer.write(step, "goodput", clock.totals())
       print(f"preempted: saved the checkpoint at step {step}; exiting", flush=True)
       ckpt.close()
       raise SystemExit(0)
     if step % config.eval.every_steps == 0 and step < steps:
       run_eval(step)
-  if pending is not None:
-    report(pending[0], check(*pending))
   final = run_eval(steps, exp.eval_sets(final=True))
+  clock.enter("checkpointing")
   ckpt.wait()
+  writer.write(steps, "goodput", clock.totals())
+  clock.close()
   ckpt.close()
   main_set = next(iter(final.values()))
   if "perplexity" in main_set:
@@ -192,17 +193,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 def main(argv):
   del argv
-  if not flags.FLAGS["verbosity"].present:
-    # Libraries (orbax, jax) log every save and compile at INFO; the progress line says enough.
-    logging.set_verbosity(logging.WARNING)
-  if _JAX_DISTRIBUTED.value:
+  FLAGS = flags.FLAGS
+  watchdog.start(FLAGS.config.watchdog)  # First: joining the other processes can hang too.
+  if FLAGS.jax_distributed:
     jax.distributed.initialize()
-  elif _COORDINATOR.value:
-    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  elif FLAGS.coordinator_address:
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  try:
+    train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  except (ValueError, FileNotFoundError) as e:
+    raise SystemExit(f"lm-train: {e}") from e
 
 
 def run():
+  config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
+  flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
+  flags.DEFINE_bool("jax_distributed", False, "Call jax.distributed.initialize() with no arguments "
+                    "(TPU VM slices, where the environment describes the job).")
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+  flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+  flags.DEFINE_integer("process_id", None, "This process's index.")
   flags.mark_flags_as_required(["config", "workdir"])
   cli.run(main, __name__)
 

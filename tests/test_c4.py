@@ -180,7 +180,7 @@ def test_missing_or_unconvertible_tfds_data_fail_clearly(tmp_path, tfds_dir, sma
 def test_lm_prepare_converts_json_gz_shards(tmp_path, allenai_files, c4_docs, small_corpus):
   out = tmp_path / "text"
   result = subprocess.run(
-      [sys.executable, "-m", "data_pipelines.prepare", f"--train={allenai_files}/c4-train.*.json.gz",
+      [sys.executable, "-m", "launch.prepare", f"--train={allenai_files}/c4-train.*.json.gz",
        f"--validation={allenai_files}/c4-validation.*.json.gz", f"--output={out}", "--workers=2"],
       capture_output=True, text=True, check=True)
   totals = json.loads(result.stdout[result.stdout.index("{"):])
@@ -202,7 +202,7 @@ def test_lm_prepare_resumes_after_being_killed(tmp_path):
   for i in range(12):
     (inputs / f"part-{i:02d}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
                                                         for t in texts[i::12]))
-  cmd = [sys.executable, "-m", "data_pipelines.prepare", f"--train={inputs}/part-*.jsonl",
+  cmd = [sys.executable, "-m", "launch.prepare", f"--train={inputs}/part-*.jsonl",
          f"--validation={inputs}/part-00.jsonl", f"--output={out}", "--workers=1"]
   proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                           start_new_session=True)

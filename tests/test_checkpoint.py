@@ -130,7 +130,7 @@ def test_resuming_with_a_different_model_names_the_fields(small_corpus, referenc
   c = small_config(small_corpus, attention="hyla")
   c.model.D = 48
   c.train.steps = 40
-  with pytest.raises(SystemExit) as e:
+  with pytest.raises(ValueError) as e:
     train.train_and_evaluate(c, str(workdir))
   message = str(e.value)
   assert "model.D: checkpoint has 32, config has 48" in message

@@ -204,6 +204,8 @@ def test_up_reuses_ready_slice_and_reports_failures(capsys):
     (["processes", "-n", "2", "python3", "x.py"], "unexpected 'python3'; the command to run goes after --"),
     (["processes", "-n", "2"], "no command to run; put it after --"),
     (["processes", "-n", "0", "--", "python3"], "-n must be at least 1"),
+    (["processes", "-n", "2", "--max-restarts=-1", "--", "python3"], "--max-restarts must be at least 0"),
+    (["sky", "--max-restarts-on-errors=-1", "--", "lm-train"], "--max-restarts-on-errors must be at least 0"),
     (["remote", "--", "python3"], "invalid choice: 'remote'"),
     (["tpu", "create", "--", "lm-train"], "lm-launch tpu create takes no command after --"),
     (["local", "--", "no-such-command-xyz"], "command not found: no-such-command-xyz"),
@@ -279,6 +281,29 @@ def test_processes_failure_stops_the_others(tmp_path):
   assert "lm-launch: process 1 of 2 exited with status 3; stopping the others" in result.stderr
   with pytest.raises(ProcessLookupError):
     os.kill(int((tmp_path / "pid0").read_text()), 0)
+  assert not (tmp_path / "term0").exists()  # SIGKILL: without its peer it could not save anyway.
+
+
+FLAKY = """
+import os, sys
+i = int(sys.argv[-1].split("=")[1])
+runs = os.path.join({tmp!r}, f"runs{{i}}")
+with open(runs, "a") as f:
+  f.write("x")
+if i == 1 and os.path.getsize(runs) <= {failures}:
+  os.kill(os.getpid(), 9)  # Dies by a signal, as an OOM-killed process does.
+"""
+
+
+@pytest.mark.parametrize("failures, status", [(2, 0), (3, 137)])
+def test_processes_restart_after_a_failure_up_to_max_restarts(tmp_path, failures, status):
+  script = tmp_path / "flaky.py"
+  script.write_text(textwrap.dedent(FLAKY.format(tmp=str(tmp_path), failures=failures)))
+  result = launch("processes", "-n", "2", "--max-restarts=2", "--", sys.executable, str(script))
+  assert result.returncode == status, result.stderr
+  restarts = re.findall(r"lm-launch: restarting all 2 processes \((\d) of 2 restarts\)", result.stderr)
+  assert restarts == ["1", "2"]
+  assert (tmp_path / "runs1").read_text() == "xxx"  # Three runs: the first and two restarts.
 
 
 def test_processes_forward_sigterm(tmp_path):

@@ -41,7 +41,8 @@ def test_dry_run_prints_a_task_that_skypilot_parses(capsys):
   assert resources.accelerators == {"tpu-v5litepod-16": 1}
   assert resources.accelerator_args["runtime_version"] == "v2-alpha-tpuv5-lite"
   assert resources.use_spot and str(resources.cloud) == "GCP"
-  assert resources.job_recovery == {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 5}
+  assert resources.job_recovery == {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 5,
+                                    "recover_on_exit_codes": [75]}  # The watchdog's status.
   assert task.workdir == str(tpu.ROOT)
   assert task.setup.splitlines() == ["set -e", *tpu.install_steps()]
   assert task.run.startswith(f"{tpu.VENV_PATH} exec ")
