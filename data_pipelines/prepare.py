@@ -22,7 +22,7 @@ from typing import Iterator
 import tqdm
 from etils import epath
 
-from data_pipelines import records, tokenizer as tokenizer_lib
+from data_pipelines import records, storage, tokenizer as tokenizer_lib
 
 GROUP = 256  # documents per SentencePiece call when pre-tokenizing
 
@@ -120,7 +120,7 @@ def prepare(splits: dict[str, list[epath.Path]], output: epath.Path, *, tokenize
   (output / "stats").mkdir(exist_ok=True)
   _check_output(output, tok, {s: len(files) for s, files in splits.items()})
   if tok is not None:
-    (output / records.TOKENIZED_BY).write_text(json.dumps(tok.fingerprint(), indent=1))
+    storage.write_bytes(output / records.TOKENIZED_BY, json.dumps(tok.fingerprint(), indent=1).encode())
   jobs = [(os.fspath(f), os.fspath(output / records.shard_name(split, i, len(files))), split)
           for split, files in splits.items() for i, f in enumerate(files)]
   totals = {s: {"files": len(f), "documents": 0, "bytes": 0, "tokens": 0, "skipped": 0}

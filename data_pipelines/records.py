@@ -1,4 +1,4 @@
-"""Record shards on disk: what a record holds, writing shards atomically, opening a split.
+"""Record shards on disk: what a record holds, writing shards whole, opening a split.
 
 Shards are named like TFDS's: `{split}.array_record-00000-of-00004` inside a data directory. A
 record is either a JSON object shaped like C4's ({"text": ..., "url": ..., "timestamp": ...}) or,
@@ -15,6 +15,8 @@ import grain
 import numpy as np
 from array_record.python import array_record_module
 from etils import epath
+
+from data_pipelines import storage
 
 TEXT, TFDS, TOKENS = "text", "tfds", "tokens"  # JSON text records; TFDS feature dicts; token ids
 TOKENIZED_BY = "tokenized_by.json"
@@ -39,17 +41,10 @@ def stats_path(shard: epath.Path) -> epath.Path:
   return shard.parent / "stats" / f"{shard.name}.json"
 
 
-def _temporary(path: epath.Path) -> epath.Path:
-  """Where a file is written before being renamed to path, so path never names a partial file."""
-  return path.parent / f".{path.name}.tmp"
-
-
 def write_stats(shard: epath.Path, stats: dict[str, Any]) -> None:
-  """Writes a shard's stats (documents, UTF-8 bytes, tokens) atomically; lm-prepare writes them last,
+  """Writes a shard's stats (documents, UTF-8 bytes, tokens) whole; lm-prepare writes them last,
   so their presence marks the shard as done."""
-  path, tmp = stats_path(shard), _temporary(stats_path(shard))
-  tmp.write_text(json.dumps(stats))
-  tmp.rename(path)
+  storage.write_bytes(stats_path(shard), json.dumps(stats).encode())
 
 
 def to_json(record: dict[str, Any]) -> bytes:
@@ -62,17 +57,16 @@ def to_ids(ids: np.ndarray) -> bytes:
 
 def write_shard(path: str | os.PathLike, records: Iterable[Any],
                 encode: Callable[[Any], bytes] = to_json) -> int:
-  """Writes records to one ArrayRecord file atomically (a crash never leaves a partial shard)."""
-  path = epath.Path(path)
-  tmp = _temporary(path)
-  # group_size:1 keeps random access cheap: grain reads single records in shuffled order.
-  writer = array_record_module.ArrayRecordWriter(os.fspath(tmp), "group_size:1")
+  """Writes records to one ArrayRecord file whole (a crash never leaves a partial shard), local or
+  on an object store (ArrayRecord writes local files only: the shard is uploaded when complete)."""
   n = 0
-  for record in records:
-    writer.write(encode(record))
-    n += 1
-  writer.close()
-  tmp.rename(path)
+  with storage.written_whole(path) as local:
+    # group_size:1 keeps random access cheap: grain reads single records in shuffled order.
+    writer = array_record_module.ArrayRecordWriter(local, "group_size:1")
+    for record in records:
+      writer.write(encode(record))
+      n += 1
+    writer.close()
   return n
 
 

@@ -7,6 +7,8 @@ predict it from); models with a BOS predict it from the BOS.
 
 import hashlib
 import os
+import pathlib
+import tempfile
 from typing import Iterator
 
 import grain
@@ -14,7 +16,7 @@ import numpy as np
 import sentencepiece as spm
 from etils import epath
 
-from data_pipelines import records
+from data_pipelines import records, storage
 
 # Ids fixed by our trained models; loaded models report their own (the T5 model has no BOS).
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
@@ -32,15 +34,17 @@ def _lines(paths: list[str]) -> Iterator[str]:
 
 
 def train(paths: list[str], model: epath.Path, vocab_size: int) -> None:
-  """Trains a byte-fallback BPE model on the text of the given shards, written atomically."""
-  tmp_prefix = model.parent / f".{model.stem}.tmp"
-  spm.SentencePieceTrainer.train(
-      sentence_iterator=_lines(paths), model_prefix=os.fspath(tmp_prefix), model_type="bpe",
-      vocab_size=vocab_size, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
-      byte_fallback=True, character_coverage=1.0, num_threads=os.cpu_count() or 1,
-      minloglevel=2)
-  epath.Path(f"{tmp_prefix}.vocab").unlink()
-  epath.Path(f"{tmp_prefix}.model").rename(model)
+  """Trains a byte-fallback BPE model on the text of the given shards into `model` (local or
+  gs://), written whole."""
+  # SentencePiece writes local files only: train into a temporary directory, then write the model.
+  with tempfile.TemporaryDirectory(prefix="spm-") as tmp_dir:
+    prefix = os.path.join(tmp_dir, "model")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_lines(paths), model_prefix=prefix, model_type="bpe",
+        vocab_size=vocab_size, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+        byte_fallback=True, character_coverage=1.0, num_threads=os.cpu_count() or 1,
+        minloglevel=2)
+    storage.write_bytes(model, pathlib.Path(f"{prefix}.model").read_bytes())
 
 
 class Tokenizer:

@@ -1,6 +1,6 @@
 """Compares training runs: `lm-compare DIR [DIR ...] --out=FILE.png [--table=FILE.md]`.
 
-Reads each workdir's metrics.jsonl (lm/metrics.py) and config.json, prints a markdown table of the
+Reads each workdir's training log (lm/run_log.py) and config.json, prints a markdown table of the
 runs' final validation metrics and throughput, and plots validation perplexity against training
 tokens, training FLOPs (each run's own FLOPs per token, lm/flops.py) and wall-clock seconds. Runs
 whose configs differ only in the seed are one curve: the mean with a band of ± one standard error.
@@ -15,7 +15,8 @@ import numpy as np
 from absl import app, flags
 from etils import epath
 
-from lm import checkpointing, cli, flops, stats
+from data_pipelines import storage
+from lm import checkpointing, cli, flops, run_log, stats
 from lm.model import ModelConfig
 
 matplotlib.use("Agg")  # files only: no display on training hosts
@@ -29,15 +30,11 @@ COLUMNS = ("run", "attention", "parameters", "tokens seen", "training FLOPs", "w
 
 
 def _records(workdir: str) -> list[dict]:
-  """metrics.jsonl in file order, each with `wall_seconds`: time spent in the run up to it, over all
-  of its (re)starts; the gaps between an interruption and the next start do not count."""
-  path = epath.Path(workdir) / "metrics.jsonl"
-  if not path.exists():
-    raise ValueError(f"{workdir} has no metrics.jsonl: it is not a training workdir (lm-train "
-                     f"--workdir={workdir} creates one)")
+  """The training log in the order written, each record with `wall_seconds`: time spent in the run
+  up to it, over all of its (re)starts; the gaps between an interruption and the next start do not
+  count."""
   records, done, start, last = [], 0.0, None, None
-  for line in path.read_text().splitlines():
-    record = json.loads(line)
+  for record in run_log.read(workdir):
     if record["kind"] == "run" or start is None:
       done += 0.0 if start is None else last - start
       start = record["time"]
@@ -151,8 +148,13 @@ def plot(runs: list[dict], out: str, split: str = "validation") -> None:
     ax.grid(True, which="both", alpha=0.3)
   axes[0].set_ylabel(f"{split} perplexity (mean ± 1 s.e. over seeds)")
   axes[0].legend(fontsize=8)
+  _save(fig, out)
+
+
+def _save(fig, out: str | epath.Path) -> None:
   fig.tight_layout()
-  fig.savefig(out, dpi=120)
+  with storage.written_whole(out) as local:  # out may be gs://, which matplotlib cannot write
+    fig.savefig(local, dpi=120, format=epath.Path(out).suffix.lstrip(".") or "png")
   plt.close(fig)
 
 
@@ -181,9 +183,7 @@ def plot_positions(runs: list[dict], out: str) -> bool:
   ax.set(xlabel="position of the input token in its document window", ylabel="validation loss (nats)")
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(positions_path(out), dpi=120)
-  plt.close(fig)
+  _save(fig, positions_path(out))
   return True
 
 

@@ -1,12 +1,12 @@
 """The progress line and the metrics log: JSON lines and TensorBoard events in the workdir."""
 
-import json
-import numbers
+import atexit
 import time
 from typing import Any
 
-import tensorboardX
 from etils import epath
+
+from lm import run_log
 
 
 def format_duration(seconds: float) -> str:
@@ -24,26 +24,28 @@ def format_count(x: float) -> str:
 
 
 class Writer:
-  """Appends one JSON object per event to workdir/metrics.jsonl and the numbers to TensorBoard
-  (workdir/tensorboard, tag `kind/name`); only process 0 writes. The log is append-only: after a
-  resume, steps between the checkpoint and the interruption appear twice, the later one current."""
+  """Logs one JSON object per event to workdir/metrics/ (lm/run_log.py; read with run_log.read)
+  and the numbers to TensorBoard (workdir/tensorboard, tag `kind/name`); only process 0 writes.
+  Records reach storage within a few seconds and at close(). After a resume, steps between the
+  checkpoint and the interruption appear twice, the later one current."""
 
-  def __init__(self, workdir: str, enabled: bool = True):
-    self.path = epath.Path(workdir) / "metrics.jsonl"
+  def __init__(self, workdir: str | epath.Path, enabled: bool = True):
     self.enabled = enabled
-    self.tensorboard = (tensorboardX.SummaryWriter(str(epath.Path(workdir) / "tensorboard"))
-                        if enabled else None)
+    if enabled:
+      self.log = run_log.JsonLog(workdir)
+      self.events = run_log.EventLog(epath.Path(workdir) / "tensorboard")
+      atexit.register(self.close)  # so that an exit by exception writes what is pending too
 
   def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
-    if not self.enabled:
-      return
-    record = {"step": step, "kind": kind, "time": time.time(), **values}
-    with self.path.open("a") as f:
-      f.write(json.dumps(record) + "\n")
-    for name, value in values.items():
-      if isinstance(value, numbers.Real):
-        self.tensorboard.add_scalar(f"{kind}/{name}", value, step)
-    self.tensorboard.flush()
+    if self.enabled:
+      self.log.write({"step": step, "kind": kind, "time": time.time(), **values})
+      self.events.write(step, kind, values)
+
+  def close(self) -> None:
+    """Writes what is pending (again: a no-op); call it where the run ends."""
+    if self.enabled:
+      self.log.close()
+      self.events.close()
 
 
 class Progress:

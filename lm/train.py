@@ -174,6 +174,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       writer.write(step, "goodput", clock.totals())
       print(f"preempted: saved the checkpoint at step {step}; exiting", flush=True)
       ckpt.close()
+      writer.close()
       raise SystemExit(0)
     if step % config.eval.every_steps == 0 and step < steps:
       run_eval(step)
@@ -183,6 +184,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   writer.write(steps, "goodput", clock.totals())
   clock.close()
   ckpt.close()
+  writer.close()
   main_set = next(iter(final.values()))
   if "perplexity" in main_set:
     baseline = main_set.get("unigram_perplexity")

@@ -1,6 +1,5 @@
 """Checkpoint, resume, preemption and safety, with real processes killed mid-run."""
 
-import json
 import os
 import shutil
 import signal
@@ -11,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from lm import checkpointing, train
+from lm import checkpointing, run_log, train
 from small import small_config
 
 CONFIG_FILE = """
@@ -30,8 +29,7 @@ def losses(workdir) -> dict[int, float]:
   """Per-step training loss; a step logged twice (before an interruption and after the resume)
   keeps its later value."""
   out = {}
-  for line in (workdir / "metrics.jsonl").read_text().splitlines():
-    record = json.loads(line)
+  for record in run_log.read(workdir):
     if record["kind"] == "train":
       out[record["step"]] = record["loss"]
   return out

@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 
+from lm import run_log
+
 HERE = os.path.dirname(__file__)
 
 
@@ -43,16 +45,14 @@ def get_config():
 
 def _losses(workdir) -> dict[int, float]:
   out = {}
-  for line in open(os.path.join(workdir, "metrics.jsonl")):
-    record = json.loads(line)
+  for record in run_log.read(workdir):
     if record["kind"] == "train":
       out[record["step"]] = record["loss"]
   return out
 
 
 def _final_eval(workdir) -> dict:
-  lines = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
-  return [l for l in lines if l["kind"] == "eval/validation"][-1]
+  return [l for l in run_log.read(workdir) if l["kind"] == "eval/validation"][-1]
 
 
 def _child(launcher: subprocess.Popen, process_id: int) -> int:

@@ -11,7 +11,7 @@ import pytest
 from configs import tiny
 from data_pipelines import pipeline, sources
 from eval import compare, evaluate
-from lm import checkpointing, flops, metrics, model as model_lib, train
+from lm import checkpointing, flops, metrics, model as model_lib, run_log, train
 from lm.experiment import Experiment
 from small import small_config
 
@@ -71,7 +71,7 @@ def test_eval_matches_a_hand_computed_token_weighted_loss(trained):
       np.std(np.concatenate(list(by_bucket.values())), ddof=1) / np.sqrt(count), rel=1e-4)
   assert json.loads((trained / "eval" / "step_6.json").read_text()) == result
   # The trainer's own final evaluation of the same checkpoint agrees.
-  logged = [json.loads(l) for l in (trained / "metrics.jsonl").read_text().splitlines()]
+  logged = run_log.read(trained)
   final = [l for l in logged if l["kind"] == "eval/validation" and l["step"] == 6][-1]
   assert final["loss"] == pytest.approx(result["loss"], rel=1e-6)
 
@@ -108,6 +108,7 @@ def write_run(workdir, attention, evals, resumed_at=None):
   if resumed_at is not None:
     writer.write(resumed_at, "eval/validation", {"loss": 0.0, "perplexity": 1.0, "bits_per_byte": 0.1,
                                                  "tokens": 10, "tokens_seen": 100 * resumed_at})
+  writer.close()
 
 
 def test_compare_runs_of_different_lengths(tmp_path):
@@ -143,6 +144,7 @@ def test_compare_flops_wall_clock_and_seed_bands(tmp_path):
       workdir.mkdir()
       (workdir / "config.json").write_text(c.to_json())
       records = [start(100.0), evaluation(10, 110.0, 50.0 + seed), start(1000.0), evaluation(20, 1030.0, 40.0 + 2 * seed)]
+      # A log in the single-file format of earlier versions, which readers still accept.
       (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
       workdirs.append(str(workdir))
   out = tmp_path / "cmp.png"
@@ -168,6 +170,7 @@ def test_compare_flops_wall_clock_and_seed_bands(tmp_path):
 def test_compare_names_a_run_without_evaluation(tmp_path):
   writer = metrics.Writer(str(tmp_path / "fresh"))
   writer.write(5, "train", {"loss": 3.0, "tokens_seen": 500})
+  writer.close()
   write_run(tmp_path / "done", "softmax", {10: 40.0})
   cmd = [sys.executable, "-m", "eval.compare", str(tmp_path / "fresh"), str(tmp_path / "done"),
          str(tmp_path / "missing"), f"--out={tmp_path / 'x.png'}"]
@@ -175,5 +178,5 @@ def test_compare_names_a_run_without_evaluation(tmp_path):
   assert result.returncode != 0 and "Traceback" not in result.stderr
   assert (f"lm-compare: {tmp_path / 'fresh'} has no validation evaluation yet; train until the first "
           f"eval (eval.every_steps) or run `lm-eval --workdir={tmp_path / 'fresh'}`") in result.stderr
-  assert f"{tmp_path / 'missing'} has no metrics.jsonl" in result.stderr
+  assert f"{tmp_path / 'missing'} has no training log (metrics/*.jsonl)" in result.stderr
   assert not (tmp_path / "x.png").exists()

@@ -16,7 +16,7 @@ from ml_collections import config_flags
 
 from configs import tiny
 from eval import grid, grid_summary
-from lm import metrics, stats
+from lm import metrics, run_log, stats
 
 TINY = "configs/tiny.py"
 HERE = os.path.dirname(__file__)
@@ -118,7 +118,7 @@ def test_a_root_of_another_grid_is_refused(tmp_path):
 # --- the summary on hand-made points -------------------------------------------------------------
 
 def fake_point(root, preset, seed, lr, loss, steps=10):
-  """A finished point as lm-grid leaves it: config.json, metrics.jsonl and point.json."""
+  """A finished point as lm-grid leaves it: config.json, the training log and point.json."""
   name = grid.point_name(preset, seed, {"train.lr": lr})
   workdir = root / name
   c = tiny.get_config()
@@ -132,6 +132,7 @@ def fake_point(root, preset, seed, lr, loss, steps=10):
            "loss_by_position": {"first_position": [0, 1, 2], "loss": [loss + 1, loss, loss - 1],
                                 "stderr": [0.1] * 3, "tokens": [10, 10, 20]}}
   writer.write(steps, "eval/validation", final)
+  writer.close()
   (workdir / "point.json").write_text(json.dumps(
       {"name": name, "preset": preset, "seed": seed, "values": {"train.lr": lr}, "task": "lm",
        "step": steps, "train_seconds": 1.0, "results": {"validation": final}}))
@@ -198,13 +199,13 @@ def test_lm_grid_space_overrides_resume_and_summary(small_corpus, tmp_path):
   summary = (root / "summary.md").read_text()
   assert "| softmax − linear | 0 |" in summary and (root / "curves.png").exists()
   # Rerun: the finished point is kept; the one whose results are gone resumes from its checkpoint.
-  log = (root / "softmax_seed0" / "metrics.jsonl").read_text()
+  log = run_log.read(root / "softmax_seed0")
   (root / "linear_seed0" / "point.json").unlink()
   again = run(cmd)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "point 1 of 2: softmax_seed0 is done (step 4); kept" in again.stdout
   assert "resumed from the checkpoint at step 4" in again.stdout
-  assert (root / "softmax_seed0" / "metrics.jsonl").read_text() == log
+  assert run_log.read(root / "softmax_seed0") == log
   assert (root / "linear_seed0" / "point.json").exists()
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from configs import tiny
 from data_pipelines import pipeline, sources
-from lm import attention, train
+from lm import attention, run_log, train
 from lm.experiment import Experiment
 from small import small_config
 
@@ -21,7 +21,7 @@ def test_training_lowers_validation_loss_and_logs(small_corpus, tmp_path, capsys
   final = train.train_and_evaluate(c, str(tmp_path))
   out = capsys.readouterr().out
   assert "step 40/40 | loss" in out and "tok/s | MFU " in out and "% | ETA" in out
-  lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  lines = run_log.read(tmp_path)
   evals = [l for l in lines if l["kind"] == "eval/validation"]
   assert [e["step"] for e in evals] == [20, 40]
   trains = [l for l in lines if l["kind"] == "train"]
