@@ -26,8 +26,8 @@ def format_count(x: float) -> str:
 class Writer:
   """Logs one JSON object per event to workdir/metrics/ (lm/run_log.py; read with run_log.read)
   and the numbers to TensorBoard (workdir/tensorboard, tag `kind/name`); only process 0 writes.
-  Records reach storage within a few seconds and at close(). After a resume, steps between the
-  checkpoint and the interruption appear twice, the later one current."""
+  Records reach storage within a few seconds, at each checkpoint and at close(). After a resume,
+  steps between the checkpoint and the interruption may appear twice, the later one current."""
 
   def __init__(self, workdir: str | epath.Path, enabled: bool = True):
     self.enabled = enabled
@@ -40,6 +40,11 @@ class Writer:
     if self.enabled:
       self.log.write({"step": step, "kind": kind, "time": time.time(), **values})
       self.events.write(step, kind, values)
+      if kind == "checkpoint":
+        # Written at once, so a run resumed from this checkpoint (or a later one) has no gap in
+        # its log: what a crash loses, the resumed run logs again.
+        self.log.flush()
+        self.events.flush()
 
   def close(self) -> None:
     """Writes what is pending (again: a no-op); call it where the run ends."""

@@ -87,6 +87,9 @@ class JsonLog:
   def write(self, record: dict[str, Any]) -> None:
     self.file.add((json.dumps(record) + "\n").encode())
 
+  def flush(self) -> None:
+    self.file.flush()
+
   def close(self) -> None:
     self.file.close()
 
@@ -109,6 +112,9 @@ class EventLog:
     if scalars:
       self.file.add(_record(event_pb2.Event(wall_time=time.time(), step=step,
                                             summary=summary_pb2.Summary(value=scalars))))
+
+  def flush(self) -> None:
+    self.file.flush()
 
   def close(self) -> None:
     self.file.close()

@@ -17,7 +17,8 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from data_pipelines import pipeline
-from lm import checkpointing, cli, compilation_cache, flops, goodput, metrics, wandb_log, watchdog
+from lm import (checkpointing, cli, compilation_cache, flops, goodput, metrics, ownership, wandb_log,
+                watchdog)
 from lm.experiment import Experiment
 
 class HostData:
@@ -202,14 +203,17 @@ def main(argv):
   elif FLAGS.coordinator_address:
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   try:
-    train_and_evaluate(FLAGS.config, FLAGS.workdir)
-  except (ValueError, FileNotFoundError) as e:
+    with ownership.hold(FLAGS.workdir, FLAGS.lease_seconds):
+      train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  except (ValueError, FileNotFoundError, ownership.WorkdirError) as e:
     raise SystemExit(f"lm-train: {e}") from e
 
 
 def run():
   config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
   flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
+  flags.DEFINE_float("lease_seconds", 60, "On gs://, how long a job that died keeps the workdir "
+                     "(lm/ownership.py); local workdirs are released at once.")
   flags.DEFINE_bool("jax_distributed", False, "Call jax.distributed.initialize() with no arguments "
                     "(TPU VM slices, where the environment describes the job).")
   flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")

@@ -1,9 +1,15 @@
-"""Shared fixtures: a small generated corpus in C4's record format with its own tokenizer."""
+"""Shared fixtures: a small generated corpus in C4's record format with its own tokenizer; a GCS
+API emulator and fresh gs:// directories on it."""
+
+import socket
+import sys
+import uuid
 
 import numpy as np
 import pytest
 
 from data_pipelines import records, tokenizer
+from gcs_emulator import Emulator
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wise kings sing of "
          "green hills and silver rivers under an old moon").split()
@@ -28,3 +34,30 @@ def small_corpus(tmp_path_factory):
       records.write_shard(root / records.shard_name(split, i, n_shards), docs[i::n_shards])
   tokenizer.train(records.shard_paths(root, "train"), tokenizer.model_path(root, 320), 320)
   return root
+
+
+BUCKET = "test-bucket"
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+  """A GCS API emulator for the session with one bucket; gs:// paths of this process and of the
+  processes it starts go to it."""
+  if "gcsfs" in sys.modules:
+    pytest.fail("gcsfs was imported before the GCS emulator fixture set its environment")
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  emulator = Emulator(port, str(tmp_path_factory.mktemp("gcs") / "emulator.log"))
+  with pytest.MonkeyPatch.context() as patch:
+    for name, value in emulator.environment().items():
+      patch.setenv(name, value)
+    emulator.create_bucket(BUCKET)
+    yield emulator
+  emulator.stop()
+
+
+@pytest.fixture
+def gs_dir(gcs, request):
+  """A fresh gs:// directory on the emulator, like tmp_path."""
+  return f"gs://{BUCKET}/{request.node.originalname}-{uuid.uuid4().hex[:8]}"

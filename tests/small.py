@@ -1,5 +1,12 @@
-"""A small model on the generated test corpus (tests/conftest.py); importable from config files
-that tests hand to `lm-train` in a subprocess, so it imports nothing that defines flags."""
+"""A small model on the generated test corpus (tests/conftest.py), and reading what a run wrote;
+importable from config files that tests hand to `lm-train` in a subprocess, so it imports nothing
+that defines flags."""
+
+import struct
+
+from etils import epath
+from tensorboardX.proto import event_pb2
+from tensorboardX.record_writer import masked_crc32c
 
 from configs import tiny
 
@@ -12,3 +19,19 @@ def small_config(corpus_dir, **model):
   c.eval.update(every_steps=20, batch_size=8)
   c.checkpoint.every_steps = 1000
   return c
+
+
+def tensorboard_events(workdir) -> list:
+  """Every event in workdir/tensorboard, its TFRecord framing and checksums verified."""
+  events = []
+  for path in sorted((epath.Path(workdir) / "tensorboard").glob("events.out.tfevents.*")):
+    data, at = path.read_bytes(), 0
+    while at < len(data):
+      header = data[at:at + 8]
+      (length,), (header_crc,) = struct.unpack("<Q", header), struct.unpack("<I", data[at + 8:at + 12])
+      body = data[at + 12:at + 12 + length]
+      (body_crc,) = struct.unpack("<I", data[at + 12 + length:at + 16 + length])
+      assert header_crc == masked_crc32c(header) and body_crc == masked_crc32c(body), path
+      events.append(event_pb2.Event.FromString(body))
+      at += 16 + length
+  return events

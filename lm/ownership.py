@@ -1,0 +1,170 @@
+"""One job per workdir: the first job to take `workdir/owner.json` owns the workdir until it ends.
+
+A second job stops at once with a message naming the owner (host, pid, start time). The lock survives
+crashes on both kinds of storage:
+- local disks: an exclusive `flock` on `workdir/.owner.lock`, which the kernel releases when the
+  owning process ends, however it ends; owner.json only says who holds it;
+- object stores (gs://): owner.json is a lease, created only if absent (if-generation-match=0) and
+  renewed by the owner every `lease_seconds / 3`, each renewal conditional on the generation it wrote
+  last. A job that finds a lease not renewed for `lease_seconds` (its owner died) takes it over with
+  the same condition, so of two jobs doing so at once exactly one wins. An owner whose lease was taken
+  (it could not renew for that long) stops at once rather than write beside the new owner.
+Only process 0 of a multi-process job takes the lock; the others follow its outcome.
+"""
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Iterator
+
+import jax
+import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
+
+from data_pipelines import storage
+
+OWNER = "owner.json"
+RENEWALS_PER_LEASE = 3
+
+
+class WorkdirError(Exception):
+  """This job may not use the workdir: another job owns it (the message names it) or it is unusable."""
+
+
+def _me() -> dict:
+  now = time.time()
+  return {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "renewed": now,
+          "processes": jax.process_count()}
+
+
+def _stamp(t: float) -> str:
+  return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _in_use(workdir, owner: dict | None, release: str) -> WorkdirError:
+  who = ("another job (it has not written its details yet)" if owner is None else
+         f"another job: host {owner['host']}, pid {owner['pid']}, started {_stamp(owner['started'])}")
+  return WorkdirError(f"{workdir} is in use by {who}. Wait for that job to end or stop it, or choose "
+               f"another --workdir; {release}")
+
+
+class LocalLock:
+  """flock on a local disk: released by the kernel when the process ends."""
+
+  def __init__(self, workdir: epath.Path):
+    try:
+      workdir.mkdir(parents=True, exist_ok=True)
+      self.file = open(workdir / ".owner.lock", "a+")
+    except OSError as e:
+      raise WorkdirError(f"cannot use {workdir} as a workdir ({e.strerror}); --workdir must name a "
+                         f"directory this user can write, or one that can be created") from e
+    try:
+      fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      self.file.close()
+      raise _in_use(workdir, _read(workdir / OWNER),
+                    "a job that dies releases the workdir at once.") from None
+    storage.write_bytes(workdir / OWNER, json.dumps(_me()).encode())
+
+  def release(self) -> None:
+    self.file.close()  # closing drops the flock
+
+
+class Lease:
+  """A renewed lease object on gs:// (google-cloud-storage: preconditions on generations)."""
+
+  def __init__(self, workdir: epath.Path, lease_seconds: float):
+    from google.api_core import exceptions  # cloud-only dependencies, loaded for gs:// only
+    from google.cloud import storage as gcs
+    self.failed = (exceptions.PreconditionFailed, exceptions.NotFound)
+    bucket, _, key = os.fspath(workdir).removeprefix("gs://").partition("/")
+    self.blob = gcs.Client().bucket(bucket).blob(f"{key.rstrip('/')}/{OWNER}")
+    self.workdir, self.lease_seconds = workdir, lease_seconds
+    self.record = _me()
+    self._take()
+    self.stop = threading.Event()
+    self.thread = threading.Thread(target=self._renew_every, daemon=True)
+    self.thread.start()
+
+  def _write(self, generation: int) -> None:
+    self.blob.upload_from_string(json.dumps(self.record), content_type="application/json",
+                                 if_generation_match=generation)
+
+  def _take(self) -> None:
+    for _ in range(3):  # the lease may change hands while we look at it
+      try:
+        return self._write(0)  # 0: only if there is none
+      except self.failed:
+        pass
+      current = self.blob.bucket.get_blob(self.blob.name)
+      if current is None:
+        continue
+      owner = json.loads(current.download_as_bytes())
+      silent = time.time() - owner["renewed"]
+      if silent < self.lease_seconds:
+        raise _in_use(self.workdir, owner, f"its lease was renewed {silent:.0f}s ago; a job that dies "
+                      f"releases the workdir {self.lease_seconds:.0f}s after its last renewal.")
+      try:
+        print(f"taking over {self.workdir} from host {owner['host']}, pid {owner['pid']}: its "
+              f"lease was last renewed {silent:.0f}s ago", file=sys.stderr, flush=True)
+        return self._write(current.generation)
+      except self.failed:
+        continue
+    raise _in_use(self.workdir, None, "several jobs are contending for it.")
+
+  def _renew_every(self) -> None:
+    while not self.stop.wait(self.lease_seconds / RENEWALS_PER_LEASE):
+      self.record["renewed"] = time.time()
+      try:
+        self._write(self.blob.generation)
+      except self.failed:
+        # Another job took the lease after we failed to renew it for lease_seconds: it owns the
+        # workdir now, and anything more this job wrote would mix with its files.
+        print(f"lm-train: lost the lease on {self.workdir} to another job; stopping at once",
+              file=sys.stderr, flush=True)
+        os._exit(75)
+      except Exception as e:  # a network hiccup: the next renewal retries, well within the lease
+        print(f"warning: renewing the lease on {self.workdir} failed: {e}", file=sys.stderr, flush=True)
+
+  def release(self) -> None:
+    self.stop.set()
+    self.thread.join()
+    with contextlib.suppress(*self.failed):
+      self.blob.delete(if_generation_match=self.blob.generation)
+
+
+def _read(path: epath.Path) -> dict | None:
+  try:
+    return json.loads(path.read_text())
+  except (FileNotFoundError, ValueError):
+    return None
+
+
+@contextlib.contextmanager
+def hold(workdir: str, lease_seconds: float = 60.0) -> Iterator[None]:
+  """Owns workdir for the block, or raises WorkdirError (on every process of the job)."""
+  path = epath.Path(workdir)
+  lock, problem = None, ""
+  if jax.process_index() == 0:
+    try:
+      lock = Lease(path, lease_seconds) if storage.is_remote(path) else LocalLock(path)
+    except WorkdirError as e:
+      problem = str(e)
+  if jax.process_count() > 1:
+    ok = multihost_utils.broadcast_one_to_all(np.int32(not problem))
+    if not ok and not problem:
+      problem = f"{workdir} is in use by another job (process 0 of this job says who)"
+  if problem:
+    raise WorkdirError(problem)
+  try:
+    yield
+  finally:
+    if lock is not None:
+      lock.release()
