@@ -6,7 +6,7 @@ crashes on both kinds of storage:
   owning process ends, however it ends; owner.json only says who holds it;
 - object stores (gs://): owner.json is a lease, created only if absent (if-generation-match=0) and
   renewed by the owner every `lease_seconds / 3`, each renewal conditional on the generation it wrote
-  last. A job that finds a lease not renewed for `lease_seconds` (its owner died) takes it over with
+  last. A job that finds a lease not renewed for the owner's `lease_seconds` (it died) takes it over with
   the same condition, so of two jobs doing so at once exactly one wins. An owner whose lease was taken
   (it could not renew for that long) stops at once rather than write beside the new owner.
 Only process 0 of a multi-process job takes the lock; the others follow its outcome.
@@ -38,10 +38,10 @@ class WorkdirError(Exception):
   """This job may not use the workdir: another job owns it (the message names it) or it is unusable."""
 
 
-def _me() -> dict:
+def _me(lease_seconds: float | None = None) -> dict:
   now = time.time()
   return {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "renewed": now,
-          "processes": jax.process_count()}
+          "lease_seconds": lease_seconds, "processes": jax.process_count()}
 
 
 def _stamp(t: float) -> str:
@@ -87,7 +87,7 @@ class Lease:
     bucket, _, key = os.fspath(workdir).removeprefix("gs://").partition("/")
     self.blob = gcs.Client().bucket(bucket).blob(f"{key.rstrip('/')}/{OWNER}")
     self.workdir, self.lease_seconds = workdir, lease_seconds
-    self.record = _me()
+    self.record = _me(lease_seconds)
     self._take()
     self.stop = threading.Event()
     self.thread = threading.Thread(target=self._renew_every, daemon=True)
@@ -107,10 +107,11 @@ class Lease:
       if current is None:
         continue
       owner = json.loads(current.download_as_bytes())
-      silent = time.time() - owner["renewed"]
-      if silent < self.lease_seconds:
+      # The owner's lease, not ours: a job started with a shorter one must not cut it short.
+      silent, lease = time.time() - owner["renewed"], owner["lease_seconds"]
+      if silent < lease:
         raise _in_use(self.workdir, owner, f"its lease was renewed {silent:.0f}s ago; a job that dies "
-                      f"releases the workdir {self.lease_seconds:.0f}s after its last renewal.")
+                      f"releases the workdir {lease:.0f}s after its last renewal.")
       try:
         print(f"taking over {self.workdir} from host {owner['host']}, pid {owner['pid']}: its "
               f"lease was last renewed {silent:.0f}s ago", file=sys.stderr, flush=True)

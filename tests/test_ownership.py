@@ -1,0 +1,63 @@
+"""One job per workdir (lm/ownership.py), with real lm-train processes: a second job stops at once
+naming the owner; a crashed owner's workdir is taken over (locally at once, on gs:// once its lease
+lapses)."""
+
+import re
+import socket
+import subprocess
+import time
+
+import pytest
+from etils import epath
+
+from lm import ownership
+from test_checkpoint import run_until, trainer
+
+LONG = 100_000  # steps: the owner is killed long before it would finish
+
+
+def refusal(proc) -> str:
+  output = proc.communicate(timeout=120)[0]
+  assert proc.returncode == 1, output[-3000:]
+  return output
+
+
+def names_owner(output: str, owner) -> bool:
+  return re.search(rf"is in use by another job: host {re.escape(socket.gethostname())}, pid "
+                   rf"{owner.pid}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC", output) is not None
+
+
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_one_job_per_workdir_and_a_dead_owner_is_replaced(small_corpus, tmp_path, where, request):
+  workdir = tmp_path / "run" if where == "local" else request.getfixturevalue("gs_dir")
+  lease = "--lease_seconds=6"
+  start = lambda: trainer(tmp_path, small_corpus, workdir, LONG, 1000, lease)
+  # Started together: exactly one owns the workdir, the other stops naming it.
+  a, b = start(), start()
+  outputs = {}
+  for proc in (a, b):
+    outputs[proc] = next(line for line in proc.stdout if line.startswith(("model:", "lm-train:")))
+  owner, other = (a, b) if outputs[a].startswith("model:") else (b, a)
+  assert names_owner(outputs[other] + refusal(other), owner)
+  # Started while the owner trains: stops at once, naming it.
+  run_until(owner, "step ")
+  late = start()
+  assert names_owner(refusal(late), owner)
+  assert owner.poll() is None, "the owner trains on"
+  # The owner dies without cleaning up; its workdir is free locally at once, on gs:// when the lease
+  # has not been renewed for lease_seconds.
+  owner.kill()
+  owner.wait()
+  if where == "gs":
+    with pytest.raises(ownership.WorkdirError, match="its lease was renewed .* ago; a job that dies "
+                       "releases the workdir 6s after its last renewal"):
+      with ownership.hold(workdir, lease_seconds=1):
+        pass
+    time.sleep(6)
+  successor = start()
+  output = run_until(successor, "model:")
+  successor.kill()
+  successor.wait()
+  if where == "gs":
+    assert f"taking over {workdir} from host {socket.gethostname()}, pid {owner.pid}" in output
+  assert epath.Path(workdir, ownership.OWNER).exists()
