@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 
-import gcsfs
 import pytest
 from etils import epath
 
@@ -70,5 +69,6 @@ def test_prepare_from_a_bucket_then_sweep_into_it(gs_dir, tmp_path):
             if v.tag == "train/loss"}
   assert losses == {r["step"]: pytest.approx(r["loss"]) for r in log if r["kind"] == "train"}
   # Nothing written through a temporary name: object stores have no cheap rename.
+  import gcsfs  # only now: gcsfs reads the emulator fixture's environment when imported
   leftovers = [p for p in gcsfs.GCSFileSystem().find(gs_dir) if ".tmp" in p]
   assert not leftovers, leftovers
