@@ -148,10 +148,11 @@ def plot(runs: list[dict], out: str, split: str = "validation") -> None:
     ax.grid(True, which="both", alpha=0.3)
   axes[0].set_ylabel(f"{split} perplexity (mean ± 1 s.e. over seeds)")
   axes[0].legend(fontsize=8)
-  _save(fig, out)
+  save_figure(fig, out)
 
 
-def _save(fig, out: str | epath.Path) -> None:
+def save_figure(fig, out: str | epath.Path) -> None:
+  """Writes fig whole to out (local or gs://) in the format its suffix names, and closes it."""
   fig.tight_layout()
   with storage.written_whole(out) as local:  # out may be gs://, which matplotlib cannot write
     fig.savefig(local, dpi=120, format=epath.Path(out).suffix.lstrip(".") or "png")
@@ -183,7 +184,7 @@ def plot_positions(runs: list[dict], out: str) -> bool:
   ax.set(xlabel="position of the input token in its document window", ylabel="validation loss (nats)")
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize=8)
-  _save(fig, positions_path(out))
+  save_figure(fig, positions_path(out))
   return True
 
 

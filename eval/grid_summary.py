@@ -167,9 +167,7 @@ def sensitivity_plot(rows: list[dict], axis: str, task: str, path: epath.Path) -
          xscale="log" if positive and max(xs.values()) / min(xs.values()) >= 10 else "linear")
   ax.grid(True, which="both", alpha=0.3)
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  compare.save_figure(fig, path)
   return True
 
 

@@ -34,6 +34,7 @@ from sklearn.multiclass import OneVsRestClassifier
 from sklearn.preprocessing import MultiLabelBinarizer
 
 from data_pipelines import fuzzy_logic, sraven
+from eval import compare
 from lm import checkpointing, cli, model as model_lib
 from lm.tasks_compositional import EVAL_STEP0, split_seed
 
@@ -162,9 +163,7 @@ def analyse(workdir: str, step: int | None = None, examples: int = 2048,
   ax.legend(*points.legend_elements(), title=label_name, fontsize=7, loc="best")
   ax.set(title=f"{config.task}, {config.model.attention}: final-layer OOD codes (PCA)",
          xlabel="PC 1", ylabel="PC 2")
-  fig.tight_layout()
-  fig.savefig(epath.Path(workdir) / "latent_embedding.png", dpi=120)
-  plt.close(fig)
+  compare.save_figure(fig, epath.Path(workdir) / "latent_embedding.png")
   (epath.Path(workdir) / "latent.json").write_text(json.dumps(result, indent=1))
   return result
 

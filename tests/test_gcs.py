@@ -1,6 +1,6 @@
 """gs:// data and workdirs against the GCS API emulator (tests/gcs_emulator.py): lm-prepare reads
-json.gz from a bucket and writes shards and a tokenizer to it; lm-sweep trains on them into a bucket,
-evaluates (lm-eval) and compares (lm-compare) there. SIGKILL and exact resume on gs:// are in
+json.gz from a bucket and writes shards and a tokenizer to it; the grid runner (lm-sweep) trains on
+them into the bucket and summarises there (lm-compare's curves); lm-eval evaluates the run there. SIGKILL and exact resume on gs:// are in
 test_checkpoint.py, two jobs on one gs:// workdir in test_ownership.py."""
 
 import gzip
@@ -17,7 +17,7 @@ from lm import run_log
 from small import tensorboard_events
 
 HERE = os.path.dirname(__file__)
-SWEEP_CONFIG = """
+GRID_CONFIG = """
 from small import small_config
 
 def get_config():
@@ -30,7 +30,7 @@ def get_config():
 """
 
 
-def test_prepare_from_a_bucket_then_sweep_into_it(gs_dir, tmp_path):
+def test_prepare_from_a_bucket_then_train_evaluate_and_compare_there(gs_dir, tmp_path):
   from conftest import make_documents
   raw, data = epath.Path(gs_dir) / "raw", epath.Path(gs_dir) / "data"
   for name, seed, n in (("train-0", 0, 60), ("train-1", 1, 60), ("validation-0", 2, 30)):
@@ -47,24 +47,25 @@ def test_prepare_from_a_bucket_then_sweep_into_it(gs_dir, tmp_path):
   tokenizer = data / "spm_bpe_320.model"
   assert tokenizer.exists()
 
-  config = tmp_path / "sweep_config.py"
-  config.write_text(SWEEP_CONFIG.format(data=str(data), tokenizer=str(tokenizer)))
-  root = f"{gs_dir}/sweep"
-  sweep = [sys.executable, "-m", "eval.sweep", f"--config={config}", "--attentions=softmax",
-           f"--root={root}"]
-  result = subprocess.run(sweep, capture_output=True, text=True, timeout=600,
+  config = tmp_path / "grid_config.py"
+  config.write_text(GRID_CONFIG.format(data=str(data), tokenizer=str(tokenizer)))
+  root = epath.Path(gs_dir) / "grid"
+  grid = [sys.executable, "-m", "eval.grid", f"--config={config}", "--presets=softmax", f"--root={root}"]
+  result = subprocess.run(grid, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": HERE})
   assert result.returncode == 0, result.stderr[-3000:]
-  workdir = epath.Path(root) / "softmax"
+  workdir = root / "softmax_seed0"
+  evaluate = [sys.executable, "-m", "eval.evaluate", f"--workdir={workdir}", "--step=8"]
+  result = subprocess.run(evaluate, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
   log = run_log.read(workdir)
   assert [r["step"] for r in log if r["kind"] == "train"] == [2, 4, 6, 8], "every record of the run"
   assert [r["step"] for r in log if r["kind"] == "eval/validation"] == [4, 8]
   assert [r["step"] for r in log if r["kind"] == "checkpoint"] == [4, 8]
   evaluated = json.loads((workdir / "eval" / "step_8.json").read_text())
   assert evaluated["loss"] == pytest.approx(log[-1]["loss"], rel=1e-5)
-  table = (epath.Path(root) / "compare.md").read_text()
-  assert "| softmax | softmax | " in table
-  assert (epath.Path(root) / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert "softmax" in (root / "summary.md").read_text()
+  assert (root / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   losses = {e.step: v.simple_value for e in tensorboard_events(workdir) for v in e.summary.value
             if v.tag == "train/loss"}
   assert losses == {r["step"]: pytest.approx(r["loss"]) for r in log if r["kind"] == "train"}
