@@ -27,7 +27,7 @@ from data_pipelines import storage
 LOG_DIR = "metrics"
 LEGACY_LOG = "metrics.jsonl"
 FLUSH_SECONDS = 2.0  # at most one write per object every 2 s: GCS allows about one a second
-PART_BYTES = 1 << 20
+PART_BYTES = 256 << 10  # bounds each rewrite (and the old copies a bucket's soft delete keeps)
 
 
 def start_stamp() -> str:
