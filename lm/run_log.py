@@ -38,13 +38,14 @@ def start_stamp() -> str:
 class RollingFile:
   """Bytes added in memory and written out whole: `part_name(i)` holds part i. Every
   `flush_seconds` (a daemon thread) and on flush()/close() the current part is rewritten in one
-  piece; once it holds `part_bytes` the next part begins (with `header`), so no write exceeds that."""
+  piece; once it holds `part_bytes` the next part begins (with `header`), so no write exceeds that.
+  add() never waits for storage: a write holds only `writing`, and the buffer's lock for a copy."""
 
   def __init__(self, part_name: Callable[[int], epath.Path], *, header: bytes = b"",
                flush_seconds: float = FLUSH_SECONDS, part_bytes: int = PART_BYTES):
     self.part_name, self.part_bytes, self.header = part_name, part_bytes, header
     self.part, self.buffer, self.dirty = 0, bytearray(header), False
-    self.lock = threading.Lock()
+    self.lock, self.writing = threading.Lock(), threading.Lock()
     self.closed = threading.Event()
     self.thread = threading.Thread(target=self._flush_every, args=(flush_seconds,), daemon=True)
     self.thread.start()
@@ -55,13 +56,21 @@ class RollingFile:
       self.dirty = True
 
   def flush(self) -> None:
-    with self.lock:
-      if not self.dirty:
-        return
-      storage.write_bytes(self.part_name(self.part), bytes(self.buffer))
-      self.dirty = False
-      if len(self.buffer) >= self.part_bytes:
-        self.part, self.buffer = self.part + 1, bytearray(self.header)
+    with self.writing:  # one write at a time, so an older copy of a part never lands last
+      with self.lock:
+        if not self.dirty:
+          return
+        part, data, self.dirty = self.part, bytes(self.buffer), False
+      try:
+        storage.write_bytes(self.part_name(part), data)
+      except BaseException:
+        with self.lock:
+          self.dirty = True  # the next flush writes it again
+        raise
+      if len(data) >= self.part_bytes:
+        with self.lock:  # what was added during the write begins the next part
+          self.part, self.buffer = part + 1, bytearray(self.header) + self.buffer[len(data):]
+          self.dirty = len(self.buffer) > len(self.header)
 
   def close(self) -> None:
     self.closed.set()
@@ -76,25 +85,19 @@ class RollingFile:
         logging.warning("writing the run log failed (retrying in %.0fs): %s", seconds, e)
 
 
-class JsonLog:
+class JsonLog(RollingFile):
   """Appends records to workdir's log (see the module docstring)."""
 
   def __init__(self, workdir: str | epath.Path, **kwargs):
     directory, stamp = epath.Path(workdir) / LOG_DIR, start_stamp()
     directory.mkdir(parents=True, exist_ok=True)
-    self.file = RollingFile(lambda i: directory / f"{stamp}-{i:05d}.jsonl", **kwargs)
+    super().__init__(lambda i: directory / f"{stamp}-{i:05d}.jsonl", **kwargs)
 
   def write(self, record: dict[str, Any]) -> None:
-    self.file.add((json.dumps(record) + "\n").encode())
-
-  def flush(self) -> None:
-    self.file.flush()
-
-  def close(self) -> None:
-    self.file.close()
+    self.add((json.dumps(record) + "\n").encode())
 
 
-class EventLog:
+class EventLog(RollingFile):
   """TensorBoard scalars (tag `kind/name`) in event files under workdir/tensorboard."""
 
   def __init__(self, directory: str | epath.Path, **kwargs):
@@ -104,20 +107,14 @@ class EventLog:
     # TensorBoard reads a directory's event files in name order: the part number is zero-padded.
     name = lambda i: directory / f"events.out.tfevents.{stamp}.{host}.{i:05d}"
     header = _record(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
-    self.file = RollingFile(name, header=header, **kwargs)
+    super().__init__(name, header=header, **kwargs)
 
   def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
     scalars = [summary_pb2.Summary.Value(tag=f"{kind}/{k}", simple_value=v)
                for k, v in values.items() if isinstance(v, numbers.Real)]
     if scalars:
-      self.file.add(_record(event_pb2.Event(wall_time=time.time(), step=step,
-                                            summary=summary_pb2.Summary(value=scalars))))
-
-  def flush(self) -> None:
-    self.file.flush()
-
-  def close(self) -> None:
-    self.file.close()
+      self.add(_record(event_pb2.Event(wall_time=time.time(), step=step,
+                                       summary=summary_pb2.Summary(value=scalars))))
 
 
 def _record(event: event_pb2.Event) -> bytes:
