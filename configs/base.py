@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
   # the log and the process exits with status 75, for a restart (0: off). The first step and each
   # evaluation may compile: they get first_step_secs.
   c.watchdog = ml_collections.ConfigDict(dict(step_secs=1800.0, first_step_secs=7200.0))
-  # The run log (metrics.jsonl and TensorBoard) is always written; Weights & Biases too when
+  # The run log (metrics/ and TensorBoard) is always written; Weights & Biases too when
   # wandb_project is set (the `wandb` extra). wandb_dir: its local files ("": the current directory).
   c.metrics = ml_collections.ConfigDict(dict(
       wandb_project="", wandb_entity="", wandb_mode="online", wandb_dir=""))

@@ -36,7 +36,7 @@ def test_prepare_from_a_bucket_then_train_evaluate_and_compare_there(gs_dir, tmp
   for name, seed, n in (("train-0", 0, 60), ("train-1", 1, 60), ("validation-0", 2, 30)):
     lines = "".join(json.dumps(d) + "\n" for d in make_documents(n, seed))
     (raw / f"{name}.json.gz").write_bytes(gzip.compress(lines.encode()))
-  prepare = [sys.executable, "-m", "data_pipelines.prepare", f"--train={raw}/train-*.json.gz",
+  prepare = [sys.executable, "-m", "launch.prepare", f"--train={raw}/train-*.json.gz",
              f"--validation={raw}/validation-*.json.gz", f"--output={data}", "--train_tokenizer=320",
              "--workers=1"]
   result = subprocess.run(prepare, capture_output=True, text=True, timeout=300)
