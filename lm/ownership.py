@@ -83,12 +83,17 @@ class Lease:
   def __init__(self, workdir: epath.Path, lease_seconds: float):
     from google.api_core import exceptions  # cloud-only dependencies, loaded for gs:// only
     from google.cloud import storage as gcs
+    self.taken = exceptions.PreconditionFailed
     self.failed = (exceptions.PreconditionFailed, exceptions.NotFound)
     bucket, _, key = os.fspath(workdir).removeprefix("gs://").partition("/")
     self.blob = gcs.Client().bucket(bucket).blob(f"{key.rstrip('/')}/{OWNER}")
     self.workdir, self.lease_seconds = workdir, lease_seconds
     self.record = _me(lease_seconds)
-    self._take()
+    try:
+      self._take()
+    except exceptions.NotFound as e:
+      raise WorkdirError(f"cannot use {workdir} as a workdir: bucket {bucket!r} does not exist or "
+                         f"this account cannot see it ({e.message})") from e
     self.stop = threading.Event()
     self.thread = threading.Thread(target=self._renew_every, daemon=True)
     self.thread.start()
@@ -101,7 +106,7 @@ class Lease:
     for _ in range(3):  # the lease may change hands while we look at it
       try:
         return self._write(0)  # 0: only if there is none
-      except self.failed:
+      except self.taken:
         pass
       current = self.blob.bucket.get_blob(self.blob.name)
       if current is None:
@@ -113,11 +118,12 @@ class Lease:
         raise _in_use(self.workdir, owner, f"its lease was renewed {silent:.0f}s ago; a job that dies "
                       f"releases the workdir {lease:.0f}s after its last renewal.")
       try:
-        print(f"taking over {self.workdir} from host {owner['host']}, pid {owner['pid']}: its "
-              f"lease was last renewed {silent:.0f}s ago", file=sys.stderr, flush=True)
-        return self._write(current.generation)
-      except self.failed:
+        self._write(current.generation)
+      except self.taken:
         continue
+      print(f"took over {self.workdir} from host {owner['host']}, pid {owner['pid']}: its lease was "
+            f"last renewed {silent:.0f}s ago", file=sys.stderr, flush=True)
+      return
     raise _in_use(self.workdir, None, "several jobs are contending for it.")
 
   def _renew_every(self) -> None:

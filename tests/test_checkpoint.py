@@ -100,7 +100,7 @@ def test_on_gcs_sigkill_then_resume_matches_an_uninterrupted_run(small_corpus, r
   proc = trainer(tmp_path, small_corpus, gs_dir, 30, 5, lease)
   output = proc.communicate(timeout=300)[0]
   assert proc.returncode == 0, output[-3000:]
-  assert "taking over" in output and "resumed from the checkpoint at step 1" in output
+  assert "took over" in output and "resumed from the checkpoint at step 1" in output
   assert losses(gs_dir) == losses(reference)
   assert not (epath.Path(gs_dir) / ownership.OWNER).exists(), "a job that ends releases the workdir"
   steps = [e.step for e in tensorboard_events(gs_dir) if any(v.tag == "train/loss" for v in e.summary.value)]

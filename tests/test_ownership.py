@@ -59,5 +59,15 @@ def test_one_job_per_workdir_and_a_dead_owner_is_replaced(small_corpus, tmp_path
   successor.kill()
   successor.wait()
   if where == "gs":
-    assert f"taking over {workdir} from host {socket.gethostname()}, pid {owner.pid}" in output
+    assert f"took over {workdir} from host {socket.gethostname()}, pid {owner.pid}" in output
   assert epath.Path(workdir, ownership.OWNER).exists()
+
+
+def test_an_unusable_workdir_is_named(tmp_path, gcs):
+  (tmp_path / "file").write_text("not a directory")
+  with pytest.raises(ownership.WorkdirError, match="--workdir must name a directory this user can write"):
+    with ownership.hold(str(tmp_path / "file")):
+      pass
+  with pytest.raises(ownership.WorkdirError, match="bucket 'no-such-bucket' does not exist"):
+    with ownership.hold("gs://no-such-bucket/run"):
+      pass
