@@ -7,7 +7,8 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.task = "lm"               # a name in lm.tasks.TASKS
-  # Fields of lm.model.ModelConfig; `attention` is a name in lm.attention.PRESETS.
+  # Fields of lm.model.ModelConfig; `attention` is a name in lm.attention.PRESETS, or one per layer /
+  # a repeating pattern ("hyla,hyla,hyla,softmax"; lm.model.layer_presets).
   c.model = ml_collections.ConfigDict(dict(
       V=32_000, D=512, H=8, L=6, F=2048, qkv_dim=0, attention="softmax",
       attention_impl="auto", attention_dropout=0.0, causal=True, positions="rotary",

@@ -17,6 +17,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
 
+from lm import model as model_lib
+
 # Fields that may differ between the saved run and the resuming one: they change how the math is
 # computed or how long training runs, not what the saved arrays and data positions mean.
 MUTABLE_FIELDS = ("model.attention_impl", "model.remat", "model.dtype", "train.steps",
@@ -75,6 +77,10 @@ def differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
   """(field, saved value, current value) of every field outside MUTABLE_FIELDS that differs."""
   mutable = lambda key: any(key == m or key.startswith(m + ".") for m in MUTABLE_FIELDS)
   old, new = _flat(saved), _flat(current)
+  for flat in (old, new):
+    # Attention compares layer by layer: "hyla,softmax" over 4 layers is "hyla,softmax,hyla,softmax".
+    if "model.attention" in flat and "model.L" in flat:
+      flat["model.attention"] = ",".join(model_lib.layer_presets(flat["model.attention"], flat["model.L"]))
   return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
           if not mutable(k) and old.get(k) != new.get(k)]
 

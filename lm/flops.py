@@ -18,12 +18,13 @@ PEAK_FLOPS = {
 
 def flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int) -> float:
   """Training FLOPs (forward + backward) per token: 6 per parameter plus the attention core, 3x its
-  forward FLOPs per (query, key) pair (lm.attention_core.pair_flops: the score and the value network's
-  products, so HYLA's core costs 1.5x softmax's). Counted over all T keys, as PaLM's MFU convention
+  forward FLOPs per (query, key) pair and layer (lm.attention_core.pair_flops of the layer's preset: the
+  score and the value network's products, so HYLA's core costs 1.5x softmax's). Counted over all T keys, as PaLM's MFU convention
   does, whatever the mask skips."""
   # The input embedding is a lookup, not a matmul (unless tied: then it is also the output layer).
   embedding = cfg.V * cfg.D if not (cfg.input_dim or cfg.tied_embeddings) else 0
-  attention = 3 * cfg.L * seq_len * attention_core.pair_flops(cfg.knobs, cfg.qkv_dim or cfg.D)
+  attention = 3 * seq_len * sum(attention_core.pair_flops(cfg.layer_knobs(layer), cfg.qkv_dim or cfg.D)
+                                for layer in range(cfg.L))
   return 6 * (num_params - embedding) + attention
 
 

@@ -26,7 +26,7 @@ class ModelConfig:
   L: int = 2
   F: int = 512
   qkv_dim: int = 0            # total q/k/v width over heads; 0 means D (K = qkv_dim / H)
-  attention: str = "softmax"  # a name in lm.attention.PRESETS
+  attention: str = "softmax"  # a name in lm.attention.PRESETS, or one per layer (see layer_presets)
   attention_impl: str = "auto"      # a name in lm.attention.IMPLS; auto picks the fastest per platform
   attention_dropout: float = 0.0
   causal: bool = True
@@ -45,8 +45,10 @@ class ModelConfig:
   def __post_init__(self):
     if not 0.0 <= self.attention_dropout < 1.0:
       raise ValueError(f"model.attention_dropout must be in [0, 1), got {self.attention_dropout}")
-    attention.check(self.attention_impl, self.knobs, attention.Call(
-        None, None, self.causal, bias=self.positions == "relative_bias", dropout=self.attention_dropout > 0))
+    call = attention.Call(None, None, self.causal, bias=self.positions == "relative_bias",
+                          dropout=self.attention_dropout > 0)
+    for layer in range(self.L):
+      attention.check(self.attention_impl, self.layer_knobs(layer), call)
     qkv = self.qkv_dim or self.D
     if qkv % self.H:
       raise ValueError(f"q/k/v width {qkv} is not divisible by {self.H} heads; "
@@ -68,13 +70,27 @@ class ModelConfig:
       raise ValueError(f"unknown model config field(s): {', '.join(sorted(unknown))}")
     return cls(**fields)
 
-  @property
-  def knobs(self) -> "attention.Knobs":
-    return attention.Knobs(**attention.preset(self.attention))
+  def layer_knobs(self, layer: int) -> "attention.Knobs":
+    return attention.Knobs(**attention.preset(layer_presets(self.attention, self.L)[layer]))
 
   @property
   def K(self) -> int:
     return (self.qkv_dim or self.D) // self.H
+
+
+def layer_presets(attention_field: str, L: int) -> tuple[str, ...]:
+  """The preset of each of the L layers. `model.attention` names one preset for every layer
+  ("hyla"), one per layer ("hyla,hyla,hyla,softmax" with L=4), or a pattern repeated over the layers
+  ("hyla,softmax" with L=6: three pairs). A pattern whose length does not divide L is an error, not
+  cut short: which layers a cut pattern leaves out is easy to get wrong."""
+  names = tuple(name.strip() for name in attention_field.split(","))
+  for name in names:
+    attention.preset(name)
+  if L % len(names):
+    raise ValueError(f"model.attention {attention_field!r} is a pattern of {len(names)} layers, which "
+                     f"does not divide model.L={L}; name one preset per layer or a pattern whose length "
+                     f"divides L")
+  return names * (L // len(names))
 
 
 def _init(stddev: float, *axes: str | None) -> nn.initializers.Initializer:
@@ -122,9 +138,10 @@ def relative_bucket(relative_bqk: jax.Array, *, bidirectional: bool, num_buckets
 
 
 class Attention(nn.Module):
-  """Projections around lm.attention.attend. Latent codes are computed only when the `codes`
-  collection is mutable, which only `latent_codes` (evaluation) makes it."""
+  """Projections around lm.attention.attend with layer `layer`'s preset. Latent codes are computed
+  only when the `codes` collection is mutable, which only `latent_codes` (evaluation) makes it."""
   cfg: ModelConfig
+  layer: int
   deterministic: bool = True
 
   @nn.compact
@@ -139,7 +156,7 @@ class Attention(nn.Module):
     if cfg.positions == "rotary":
       q_bthk = rotary(q_bthk, positions_bt, cfg.rope_base)
       k_bthk = rotary(k_bthk, positions_bt, cfg.rope_base)
-    knobs = cfg.knobs
+    knobs = cfg.layer_knobs(self.layer)
     if self.is_mutable_collection("codes"):
       self.sow("codes", "a_bhqk", attention.normalized_scores(
           q_bthk, k_bthk, normalization=knobs.normalization, causal=cfg.causal,
@@ -167,12 +184,13 @@ class Mlp(nn.Module):
 
 class Block(nn.Module):
   cfg: ModelConfig
+  layer: int
   deterministic: bool = True
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, segment_ids_bt, bias_bhqk):
     dtype = DTYPES[self.cfg.dtype]
-    x_btd = x_btd + Attention(self.cfg, self.deterministic, name="attn")(
+    x_btd = x_btd + Attention(self.cfg, self.layer, self.deterministic, name="attn")(
         _layer_norm(dtype, "ln_attn")(x_btd), positions_bt, segment_ids_bt, bias_bhqk)
     return x_btd + Mlp(self.cfg, name="mlp")(_layer_norm(dtype, "ln_mlp")(x_btd))
 
@@ -217,7 +235,7 @@ class Transformer(nn.Module):
     for i in range(cfg.L):
       if cfg.positions == "relative_bias" and cfg.relative_bias_per_layer:
         bias_bhqk = relative_bias(f"relative_bias_{i}")
-      x_btd = block(cfg, deterministic, name=f"block_{i}")(x_btd, positions_bt, segment_ids_bt, bias_bhqk)
+      x_btd = block(cfg, i, deterministic, name=f"block_{i}")(x_btd, positions_bt, segment_ids_bt, bias_bhqk)
       x_btd = sharding.constrain_batch(x_btd)
     x_btd = _layer_norm(dtype, "ln_final")(x_btd)
     if cfg.tied_embeddings and not cfg.input_dim:

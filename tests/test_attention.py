@@ -32,7 +32,7 @@ def _layer(normalization, value_network, nonlinearity="relu", D=12, H=3, T=6, se
               if k["normalization"] == normalization and k["value_network"] == value_network
               and k.get("nonlinearity", "relu") == nonlinearity)
   cfg = model_lib.ModelConfig(V=8, D=D, H=H, L=1, F=8, attention=name, positions="none")
-  layer = model_lib.Attention(cfg)
+  layer = model_lib.Attention(cfg, 0)
   x_btd = jax.random.normal(jax.random.key(seed), (1, T, D))
   args = (x_btd, jnp.zeros((1, T), jnp.int32), None, None)
   params = nn.meta.unbox(layer.init(jax.random.key(seed + 1), *args)["params"])

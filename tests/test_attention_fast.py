@@ -167,7 +167,7 @@ def test_auto_model_equals_reference_model(preset):
                                 positions="relative_bias")
     tokens_bt = jax.random.randint(jax.random.key(0), (2, 12), 0, 16)
     params = model_lib.Transformer(cfg).init(jax.random.key(1), tokens_bt)
-    outs.append(model_lib.Transformer(cfg).apply(params, tokens_bt, segment_ids_bt=SEGMENTS_BT[:, :12])[0])
+    outs.append(model_lib.Transformer(cfg).apply(params, tokens_bt, segment_ids_bt=SEGMENTS_BT[:, :12]))
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 
 

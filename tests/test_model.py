@@ -1,11 +1,13 @@
 """The transformer around the attention core: causality end to end, parameters, codes, positions."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm import attention, model as model_lib
+from lm import attention, checkpointing, flops, model as model_lib
 
 
 def _model(**kw):
@@ -106,3 +108,46 @@ def test_remat_and_bfloat16_keep_the_function():
   out = bf16.apply({"params": params}, tokens_bt)
   assert out.dtype == jnp.float32 and np.abs(np.asarray(out) - np.asarray(ref)).max() < 0.1
   assert jax.tree.leaves(params)[0].dtype == jnp.float32
+
+
+def test_hybrid_layers_compute_what_their_presets_compute():
+  """"hyla,softmax" over 4 layers: layers 0 and 2 are HYLA layers, 1 and 3 softmax layers."""
+  hybrid = model_lib.ModelConfig(V=50, D=32, H=4, L=4, F=64, attention="hyla,softmax")
+  assert model_lib.layer_presets(hybrid.attention, hybrid.L) == ("hyla", "softmax") * 2
+  m, params, tokens_bt = _model(L=4, attention="hyla,softmax")
+  x_btd = jax.random.normal(jax.random.key(3), (2, 12, 32))
+  pos_bt = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  for i, (name, other) in enumerate([("hyla", "softmax"), ("softmax", "hyla")] * 2):
+    block = lambda cfg: model_lib.Block(cfg, i).apply({"params": params[f"block_{i}"]}, x_btd, pos_bt,
+                                                     None, None)
+    single = lambda preset: block(dataclasses.replace(hybrid, attention=preset))
+    np.testing.assert_allclose(block(hybrid), single(name), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(block(hybrid), single(other), atol=1e-3)
+  codes = model_lib.latent_codes(m, params, tokens_bt)
+  np.testing.assert_allclose(np.sum(codes[1], axis=-1), 1.0, rtol=1e-5)  # softmax: rows sum to 1
+  causal = np.tril(np.ones((12, 12), bool))
+  np.testing.assert_allclose(np.sqrt(np.mean(np.square(codes[2]), axis=1))[:, causal], 1.0, atol=1e-2)
+
+
+def test_hybrid_flops_are_the_sum_of_their_layers():
+  cfg = lambda attention: model_lib.ModelConfig(V=50, D=32, H=4, L=4, F=64, attention=attention)
+  per_token = lambda attention: flops.flops_per_token(cfg(attention), 10_000, 512)
+  assert per_token("hyla") > per_token("softmax")
+  assert per_token("hyla,softmax") == (per_token("hyla") + per_token("softmax")) / 2
+  assert per_token("hyla,hyla,hyla,softmax") == (3 * per_token("hyla") + per_token("softmax")) / 4
+
+
+@pytest.mark.parametrize("attention,message", [
+    ("hyla,softmax,linear", "pattern of 3 layers, which does not divide model.L=4"),
+    ("hyla,hyla2", "unknown attention 'hyla2'"),
+])
+def test_bad_hybrid_fails_with_a_clear_message(attention, message):
+  with pytest.raises(ValueError, match=message):
+    model_lib.ModelConfig(V=8, L=4, attention=attention)
+
+
+def test_checkpoint_compatibility_compares_layers():
+  saved = {"model": {"attention": "hyla,softmax", "L": 4}}
+  checkpointing.check_compatible(saved, {"model": {"attention": "hyla,softmax,hyla,softmax", "L": 4}})
+  with pytest.raises(ValueError, match="model.attention: checkpoint has 'hyla,softmax,hyla,softmax'"):
+    checkpointing.check_compatible(saved, {"model": {"attention": "softmax,hyla", "L": 4}})
