@@ -48,12 +48,17 @@ def _parser() -> argparse.ArgumentParser:
 
   slice_flags = argparse.ArgumentParser(add_help=False)
   defaults = tpu.Slice()
-  slice_flags.add_argument("--name", default=defaults.name, help="TPU VM (and queued resource) name")
-  slice_flags.add_argument("--project", help="GCP project (default: gcloud's core/project)")
-  slice_flags.add_argument("--zone", help="zone (default: gcloud's compute/zone)")
+  slice_flags.add_argument("--name", default=defaults.name, type=tpu.gcp_value("name"),
+                           help="TPU VM (and queued resource) name")
+  slice_flags.add_argument("--project", type=tpu.gcp_value("project"),
+                           help="GCP project (default: gcloud's core/project)")
+  slice_flags.add_argument("--zone", type=tpu.gcp_value("zone"),
+                           help="zone (default: gcloud's compute/zone)")
   slice_flags.add_argument("--accelerator-type", default=defaults.accelerator_type,
+                           type=tpu.gcp_value("accelerator-type"),
                            help="default: %(default)s, 4 workers x 4 chips")
   slice_flags.add_argument("--runtime-version", default=defaults.runtime_version,
+                           type=tpu.gcp_value("runtime-version"),
                            help="TPU software version (default: %(default)s, the documented v5e one)")
   slice_flags.add_argument("--spot", action="store_true", help="Spot VMs: cheaper, preemptible")
   slice_flags.add_argument("--queued", action="store_true",
@@ -66,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     example = f"e.g. lm-launch tpu {action} --zone=ZONE -- {_EXAMPLE}"
     actions.add_parser(action, parents=[slice_flags], help=help_text, description=help_text,
                        epilog=example if action in _TAKES_COMMAND else None)
-  actions.choices["logs"].add_argument("--worker", default="0", help="worker index (default 0)")
+  actions.choices["logs"].add_argument("--worker", default="0", type=tpu.gcp_value("worker"),
+                                       help="worker index (default 0)")
 
   job = managed.Job()
   sky_parser = modes.add_parser(
@@ -74,11 +80,12 @@ def _parser() -> argparse.ArgumentParser:
       description=managed.__doc__.splitlines()[0] + " Needs the extra: pip install -e \".[sky]\".",
       epilog="e.g. lm-launch sky --spot -- lm-train --config=configs/c4_50m.py "
              "--workdir=gs://BUCKET/runs/c4_50m")
-  sky_parser.add_argument("--name", default=job.name, help="managed job name (default: %(default)s)")
+  sky_parser.add_argument("--name", default=job.name, type=tpu.gcp_value("name"),
+                          help="managed job name (default: %(default)s)")
   sky_parser.add_argument("--accelerator-type", default=job.accelerator_type,
-                          help="TPU type (default: %(default)s, 4 workers x 4 chips)")
+                          type=tpu.gcp_value("accelerator-type"), help="TPU type (default: %(default)s, 4 workers x 4 chips)")
   sky_parser.add_argument("--runtime-version", default=job.runtime_version,
-                          help="TPU software version (default: %(default)s)")
+                          type=tpu.gcp_value("runtime-version"), help="TPU software version (default: %(default)s)")
   sky_parser.add_argument("--infra", default=job.infra,
                           help="where the slice may run: gcp, gcp/REGION or gcp/REGION/ZONE "
                                "(default: %(default)s, any region: the widest recovery)")

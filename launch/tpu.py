@@ -6,7 +6,9 @@ Every worker runs the same command; the trainer gets `--jax_distributed`, so
 `jax.distributed.initialize()` learns the slice from the TPU VM itself.
 """
 
+import argparse
 import dataclasses
+import re
 import shlex
 import subprocess
 import tempfile
@@ -32,6 +34,31 @@ Runner = Callable[[Sequence[str], bool], subprocess.CompletedProcess]
 
 class LaunchError(Exception):
   """A failure the user can fix; the message names the fix."""
+
+
+# What GCP accepts for each value that goes into a gcloud command line. Anything else could act as
+# a flag of its own (`--name=--zone=x`) or be refused by gcloud after the slice was paid for.
+GCP_VALUES = {
+    "name": (r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", "a TPU name: 1-63 lowercase letters, digits or "
+             "hyphens, starting with a letter and not ending with a hyphen, e.g. lm-tpu"),
+    "project": (r"([a-z][-a-z0-9.]*:)?[a-z][-a-z0-9]{4,28}[a-z0-9]", "a project ID: 6-30 "
+                "lowercase letters, digits or hyphens, starting with a letter, e.g. my-project"),
+    "zone": (r"[a-z]+-[a-z]+[0-9]+-[a-z]", "a zone, e.g. us-west4-a"),
+    "accelerator-type": (r"[a-z0-9]+-[0-9]+", "an accelerator type, e.g. v5litepod-16"),
+    "runtime-version": (r"[a-z0-9][-a-z0-9.]*", "a TPU software version, e.g. v2-alpha-tpuv5-lite"),
+    "worker": (r"all|[0-9]+", "a worker index or all"),
+}
+
+
+def gcp_value(kind: str) -> Callable[[str], str]:
+  """An argparse type that accepts only what GCP_VALUES[kind] allows."""
+  pattern, what = GCP_VALUES[kind]
+
+  def check(value: str) -> str:
+    if not re.fullmatch(pattern, value):
+      raise argparse.ArgumentTypeError(f"{value!r} is not {what}")
+    return value
+  return check
 
 
 @dataclasses.dataclass(frozen=True)

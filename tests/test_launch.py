@@ -327,3 +327,16 @@ def test_console_script_help_lists_its_flags(script, expected):
                        text=True, timeout=120)
   for flag in expected:
     assert f"  {flag}:" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("flag", ["--name=--zone=x", "--name=Big_TPU", "--name=lm-tpu-", "--zone=--x",
+                                  "--project=p; rm -rf ~", "--accelerator-type=v5e",
+                                  "--runtime-version=-x"])
+def test_tpu_values_are_checked_as_gcp_does(capsys, flag):
+  """A value gcloud would refuse, or read as a flag of its own, stops before any command runs."""
+  with pytest.raises(SystemExit) as e:
+    cli.main(["tpu", "create", "--dry-run", flag])
+  assert e.value.code == 2
+  err = capsys.readouterr()
+  assert not err.out  # nothing was printed to run
+  assert f"argument {flag.split('=')[0]}: {flag.split('=', 1)[1]!r} is not a" in err.err
