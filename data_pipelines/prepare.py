@@ -4,19 +4,20 @@ of `lm-prepare`, whose command line is launch/prepare.py).
 Inputs: `.json`/`.jsonl` files of one JSON object with a "text" field per line (C4's own format,
 {"text", "url", "timestamp"}), `.txt` files that are one document each; any of them gzipped (`.gz`).
 Globs may be local or gs://. Every input file becomes one output shard, written by a pool of worker
-processes; a shard counts as done once its stats file (documents, UTF-8 bytes, tokens) exists, so a
-run that was interrupted picks up where it stopped when started again with the same arguments.
+processes; a shard counts as done once its stats file (documents, UTF-8 bytes, tokens, and the name
+and size of the input it was made from) exists, so a run that was interrupted picks up where it
+stopped when started again with the same arguments; other inputs stop with a message.
 With --pretokenize a record holds the document's token ids (as the training pipeline would make them)
 and DIR/tokenized_by.json records the tokenizer, which training then insists on.
 """
 
 import functools
 import gzip
-import io
 import itertools
 import json
 import multiprocessing
 import os
+import zlib
 from typing import Iterator
 
 import tqdm
@@ -28,30 +29,47 @@ GROUP = 256  # documents per SentencePiece call when pre-tokenizing
 
 
 def expand(patterns: str) -> list[epath.Path]:
-  """Comma-separated globs (local or gs://; wildcards in the file name) → sorted files."""
+  """Comma-separated globs (local or gs://; wildcards in the file name) → sorted files. A path
+  without wildcards must exist: a typo is an error, not a file silently left out."""
   files = []
   for pattern in filter(None, patterns.split(",")):
     path = epath.Path(pattern)
-    files += path.parent.glob(path.name) if any(c in path.name for c in "*?[") else [path]
+    if any(c in path.name for c in "*?["):
+      files += path.parent.glob(path.name)
+    elif path.exists():
+      files.append(path)
+    else:
+      raise FileNotFoundError(f"input {pattern} does not exist")
   return sorted(set(f for f in files if f.exists()))
 
 
 def documents(path: epath.Path) -> Iterator[str]:
-  """The texts of one input file."""
+  """The texts of one input file. A file that is not what its name says (gzip, UTF-8, JSON lines)
+  is a ValueError naming the file (and the line)."""
   name = path.name.removesuffix(".gz")
-  with path.open("rb") as raw:
-    f = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
-    if name.endswith(".txt"):
-      yield f.read().decode("utf-8")
-    elif name.endswith((".json", ".jsonl")):
-      for n, line in enumerate(io.TextIOWrapper(f, encoding="utf-8"), 1):
+  if not name.endswith((".txt", ".json", ".jsonl")):
+    raise ValueError(f"{path}: unknown input format; expected .txt, .json or .jsonl (optionally .gz)")
+  n = 0
+  try:
+    with path.open("rb") as raw:
+      f = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
+      if name.endswith(".txt"):
+        yield f.read().decode("utf-8")
+        return
+      for n, line in enumerate(f, 1):  # bytes, decoded per line: an error names its line
         if line.strip():
           try:
-            yield json.loads(line)["text"]
+            yield json.loads(line.decode("utf-8"))["text"]
+          except UnicodeDecodeError:
+            raise
           except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}, line {n}: not a JSON object with a \"text\" field") from e
-    else:
-      raise ValueError(f"{path}: unknown input format; expected .txt, .json or .jsonl (optionally .gz)")
+  except UnicodeDecodeError as e:
+    where = f", line {n}" if n else ""
+    raise ValueError(f"{path}{where}: not UTF-8 text (byte {e.object[e.start]:#x} at {e.start})") from e
+  except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+    raise ValueError(f"{path}: not a complete gzip file ({e or 'it ends early'}); download it again"
+                     ) from e
 
 
 def _stats_of(texts: Iterator[str], stats: dict) -> Iterator[str]:
@@ -74,7 +92,9 @@ def convert(job: tuple[str, str, str], tokenizer: str) -> dict:
   stats_file = records.stats_path(shard)
   if stats_file.exists():
     return {"split": split, "skipped": True, **json.loads(stats_file.read_text())}
-  stats = {"source": os.fspath(source), "documents": 0, "bytes": 0, "tokens": 0}
+  # What the shard was made from: it counts as done for the same input only (_check_made_from).
+  stats = {"source": os.fspath(source), "source_bytes": source.stat().length, "documents": 0,
+           "bytes": 0, "tokens": 0}
   texts = _stats_of(documents(source), stats)
   if tokenizer:
     records.write_shard(shard, _tokenized(texts, _worker_tokenizer(tokenizer), stats), records.to_ids)
@@ -82,6 +102,22 @@ def convert(job: tuple[str, str, str], tokenizer: str) -> dict:
     records.write_shard(shard, ({"text": t} for t in texts))
   records.write_stats(shard, stats)  # last: the shard is done only once its stats exist
   return {"split": split, "skipped": False, **stats}
+
+
+def _check_made_from(jobs: list[tuple[str, str, str]]) -> None:
+  """Refuses to keep finished shards that other inputs made (another file name or size)."""
+  for source, shard, _ in jobs:
+    stats_file = records.stats_path(epath.Path(shard))
+    if not stats_file.exists():
+      continue
+    saved, size = json.loads(stats_file.read_text()), epath.Path(source).stat().length
+    if (epath.Path(saved["source"]).name != epath.Path(source).name
+        or saved.get("source_bytes", size) != size):
+      raise ValueError(
+          f"{stats_file.name.removesuffix('.json')} in {stats_file.parent.parent} was made from "
+          f"{saved['source']} ({saved.get('source_bytes', '?')} bytes), not from {source} ({size} "
+          f"bytes): the directory holds a preparation of other inputs; use an empty --output "
+          f"directory, or give the inputs it was made from")
 
 
 @functools.cache
@@ -123,6 +159,7 @@ def prepare(splits: dict[str, list[epath.Path]], output: epath.Path, *, tokenize
     storage.write_bytes(output / records.TOKENIZED_BY, json.dumps(tok.fingerprint(), indent=1).encode())
   jobs = [(os.fspath(f), os.fspath(output / records.shard_name(split, i, len(files))), split)
           for split, files in splits.items() for i, f in enumerate(files)]
+  _check_made_from(jobs)
   totals = {s: {"files": len(f), "documents": 0, "bytes": 0, "tokens": 0, "skipped": 0}
             for s, f in splits.items()}
   work = functools.partial(convert, tokenizer=tokenizer if pretokenize else "")
@@ -130,6 +167,8 @@ def prepare(splits: dict[str, list[epath.Path]], output: epath.Path, *, tokenize
     bar = tqdm.tqdm(pool.imap_unordered(work, jobs), total=len(jobs), unit="file",
                     disable=not progress)
     for done in bar:
+      if not done["documents"]:
+        bar.write(f"warning: {done['source']} holds no documents")
       t = totals[done["split"]]
       t["skipped"] += done["skipped"]
       for k in ("documents", "bytes", "tokens"):

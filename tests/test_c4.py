@@ -268,3 +268,55 @@ def test_text_and_jsonl_inputs(tmp_path):
     list(prepare.documents(epath.Path(tmp_path / "c.json")))
   assert prepare.expand(f"{tmp_path}/*.txt,{tmp_path}/b.jsonl.gz") == [
       tmp_path / "a.txt", tmp_path / "b.jsonl.gz"]
+
+
+def test_prepare_refuses_a_directory_made_from_other_inputs(tmp_path):
+  """Finished shards count as done for the inputs they were made from only."""
+  def inputs(name: str, texts: list[str]) -> str:
+    folder = tmp_path / name
+    folder.mkdir()
+    for i, t in enumerate(texts):
+      (folder / f"part-{i}.jsonl").write_text(json.dumps({"text": t}) + "\n")
+    return f"{folder}/part-*.jsonl"
+
+  def run(pattern: str):
+    splits = {"train": prepare.expand(pattern), "validation": prepare.expand(pattern)}
+    return prepare.prepare(splits, epath.Path(tmp_path / "out"), progress=False)
+
+  first = inputs("a", ["one", "two"])
+  run(first)
+  assert run(first)["train"]["skipped"] == 2  # the same inputs: done, kept
+  with pytest.raises(ValueError, match=r"train.array_record-00000-of-00002 in .*out was made from "
+                     r".*a/part-0.jsonl \(16 bytes\), not from .*b/part-0.jsonl \(22 bytes\)"):
+    run(inputs("b", ["other one", "other two"]))  # same names and count, other contents
+  docs = records.open_split(tmp_path / "out", "train")
+  assert sorted(docs.text(r) for r in docs.source) == ["one", "two"]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("a.jsonl.gz", b'{"text": "plain"}\n', r"a.jsonl.gz: not a complete gzip file"),
+    ("b.jsonl.gz", gzip.compress(b'{"text": "cut"}\n' * 50)[:-30], r"b.jsonl.gz: not a complete gzip file"),
+    ("c.jsonl", b'{"text": "fine"}\n{"text": "caf\xe9"}\n', r"c.jsonl, line 2: not UTF-8 text \(byte 0xe9"),
+    ("d.txt", b"caf\xe9", r"d.txt: not UTF-8 text \(byte 0xe9 at 3\)"),
+])
+def test_unreadable_inputs_name_the_file_and_line(tmp_path, name, content, message):
+  (tmp_path / name).write_bytes(content)
+  with pytest.raises(ValueError, match=message):
+    list(prepare.documents(epath.Path(tmp_path / name)))
+
+
+def test_a_listed_input_that_does_not_exist_is_an_error(tmp_path):
+  (tmp_path / "a.txt").write_text("x")
+  with pytest.raises(FileNotFoundError, match=r"input .*/b.txt does not exist"):
+    prepare.expand(f"{tmp_path}/a.txt,{tmp_path}/b.txt")
+  assert prepare.expand(f"{tmp_path}/*.txt,{tmp_path}/*.json") == [epath.Path(tmp_path / "a.txt")]
+
+
+def test_an_empty_input_is_prepared_with_a_warning(tmp_path, capsys):
+  (tmp_path / "full.jsonl").write_text('{"text": "words"}\n')
+  (tmp_path / "empty.jsonl").write_text("")
+  splits = {"train": prepare.expand(f"{tmp_path}/*.jsonl"),
+            "validation": prepare.expand(f"{tmp_path}/full.jsonl")}
+  totals = prepare.prepare(splits, epath.Path(tmp_path / "out"), progress=False)
+  assert totals["train"]["documents"] == 1
+  assert f"warning: {tmp_path}/empty.jsonl holds no documents" in capsys.readouterr().out
