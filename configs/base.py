@@ -41,6 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
       keep=3,                 # the latest K checkpoints
       keep_every=0,           # also keep every step divisible by this (0: none)
       use_async=True,         # write in the background while training continues
+      skip_damaged=False,     # resume from the newest readable step, moving damaged ones aside
   ))
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=1000,

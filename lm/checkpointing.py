@@ -13,9 +13,12 @@ import dataclasses
 import json
 from typing import Any
 
+import jax
+
 import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from lm import model as model_lib
 
@@ -45,8 +48,8 @@ class DataShardsHandler(ocp.CheckpointHandler):
     for index, it in args.item.iterators.items():
       path = directory / f"shard_{index:05d}.json"
       if not path.exists():
-        raise ValueError(f"checkpoint {directory.parent} has no state for data shard {index}; it was "
-                         f"saved with a different data.shards")
+        raise ValueError(f"checkpoint {directory.parent} has no state for data shard {index} "
+                         f"({path.name}): it was saved with another data.shards, or it is damaged")
       it.set_state(json.loads(path.read_text()))
     return args.item
 
@@ -94,10 +97,15 @@ def check_compatible(saved: dict, current: dict) -> None:
                      + "\nuse a new --workdir, or set these fields back to the checkpoint's values")
 
 
+class DamagedCheckpointError(ValueError):
+  """A complete step directory that cannot be read back."""
+
+
 class Checkpointer:
   """An orbax CheckpointManager over workdir/checkpoints; cfg is the `checkpoint` config section."""
 
   def __init__(self, workdir: str | epath.Path, cfg: ml_collections.ConfigDict):
+    self.directory = _directory(workdir)
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=cfg.every_steps, max_to_keep=cfg.keep,
         keep_period=cfg.keep_every or None, enable_async_checkpointing=cfg.use_async,
@@ -109,13 +117,30 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def saved_config(self, step: int) -> dict:
-    return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    return self._read(step, config=ocp.args.JsonRestore())["config"]
 
   def restore(self, step: int, abstract_state, data: DataShards):
     """abstract_state: ShapeDtypeStructs carrying the target shardings (restored straight into them)."""
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=DataShardsRestore(data)))
-    return restored["state"]
+    return self._read(step, state=ocp.args.StandardRestore(abstract_state),
+                      data=DataShardsRestore(data))["state"]
+
+  def _read(self, step: int, **items):
+    try:
+      return self.manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # orbax and TensorStore raise many types, each with pages of detail
+      reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+      raise DamagedCheckpointError(f"the checkpoint at step {step} ({self.directory / str(step)}) "
+                                   f"cannot be read: {reason[:300]}") from e
+
+  def set_aside(self, step: int) -> epath.Path:
+    """Moves a damaged step out of orbax's sight (nothing is deleted); returns where it went."""
+    target = self.directory.parent / "damaged_checkpoints" / str(step)
+    if jax.process_index() == 0:
+      target.parent.mkdir(parents=True, exist_ok=True)
+      (self.directory / str(step)).rename(target)
+    multihost_utils.sync_global_devices(f"set aside damaged checkpoint {step}")
+    self.manager.reload()
+    return target
 
   def save(self, step: int, state, data: DataShards, config: ml_collections.ConfigDict,
            force: bool = False) -> bool:
@@ -155,6 +180,14 @@ def saved_config(workdir: str, step: int | None = None) -> tuple[int, ml_collect
       manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
   manager.close()
   return step, config
+
+
+def latest_step(workdir: str | epath.Path) -> int | None:
+  """The newest complete step on disk now: what a resume would start from."""
+  manager = _reader(workdir)
+  step = manager.latest_step()
+  manager.close()
+  return step
 
 
 def _directory(workdir: str | epath.Path) -> epath.Path:

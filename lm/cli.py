@@ -1,7 +1,8 @@
 """Entry of every console script (lm-train, lm-eval, ...): what all of them set up the same way.
 
 A command defines its flags in its `run()`, never on import, so that any modules (and tests and
-scripts with flags of their own) import side by side; `run()` then calls `cli.run(main, __name__)`.
+scripts with flags of their own) import side by side; `run()` then calls `cli.run(main, __name__)`,
+which sets up the rest:
 - `--help` lists the command's flags. absl lists the flags of the module named by sys.argv[0]; for an
   installed console script that is the generated wrapper, which defines none, so the defining
   module's flags are registered under the wrapper's name.
@@ -12,8 +13,10 @@ scripts with flags of their own) import side by side; `run()` then calls `cli.ru
   fails and libtpu prints an error-looking trace about worker hostnames, so there JAX is told to use
   the CPU; lm-compile loads libtpu's compiler itself (`jax.experimental.topologies`), which this does
   not touch. A JAX_PLATFORMS the user set is left as it is.
+- A --config file that is missing, or a misspelt --config.* field, is one line, not a traceback.
 """
 
+import os
 import sys
 from typing import Callable
 
@@ -28,6 +31,26 @@ def choose_platform() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's own parsing, and the --config file loaded now: a missing file or a misspelt
+  --config.* field stops the command with one line that names it, not a traceback."""
+  command = os.path.basename(argv[0])
+  try:
+    args = app.parse_flags_with_usage(argv)
+    if "config" in flags.FLAGS and flags.FLAGS["config"].present:
+      flags.FLAGS.config.keys()  # a file that failed to load raises here, on first use
+    return args
+  except (AttributeError, KeyError) as e:  # a misspelt field: ml_collections says which it meant
+    while e.args and isinstance(e.args[0], BaseException):  # ml_collections wraps its KeyError
+      e = e.args[0]
+    lines = str(e.args[0] if e.args else e).splitlines()
+    raise SystemExit(f"{command}: no config field {lines[0]} (from a --config.* override)"
+                     + "".join(f"; {line.strip()}" for line in lines[1:])) from None
+  except OSError as e:  # the config file: config_flags lists every path it tried, the cause last
+    raise SystemExit(f"{command}: cannot load --config: {str(e).strip().splitlines()[-1].strip()}"
+                     ) from None
+
+
 def run(main: Callable[[list[str]], None], module: str) -> None:
   """app.run(main) with `module`'s flags shown by --help, quiet libraries and the host's platform."""
   for flag in flags.FLAGS.get_key_flags_for_module(module):
@@ -39,4 +62,4 @@ def run(main: Callable[[list[str]], None], module: str) -> None:
       logging.set_verbosity(logging.WARNING)
     main(argv)
 
-  app.run(configured_main)
+  app.run(configured_main, flags_parser=_parse_flags)

@@ -25,9 +25,25 @@ class TrainState:
   rng: jax.Array  # raw uint32 key data: checkpoints store plain arrays
 
 
+# Fields that count something: each must be a whole number of at least 1 (where a config has it).
+COUNTS = ("model.V", "model.D", "model.H", "model.L", "model.F", "data.seq_len", "train.steps",
+          "train.batch_size", "train.microbatches", "train.log_every_steps", "eval.every_steps",
+          "eval.batch_size", "checkpoint.every_steps")
+
+
+def check_counts(config: ml_collections.ConfigDict) -> None:
+  for name in COUNTS:
+    section, field = name.split(".")
+    value = config[section].get(field) if section in config else None
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+      raise ValueError(f"{name}={value!r} counts something and must be a whole number of at least "
+                       f"1; set --config.{name}=N")
+
+
 class Experiment:
 
   def __init__(self, config: ml_collections.ConfigDict, devices=None):
+    check_counts(config)
     self.config = config
     self.model_cfg = model_lib.ModelConfig.from_dict(config.model.to_dict())
     self.task = tasks.build(config, self.model_cfg.V)
@@ -36,13 +52,14 @@ class Experiment:
     self.mesh = sharding.make_mesh(config.mesh, devices)
     self.batch_sharding = sharding.batch_sharding(self.mesh)
     shards = math.prod(self.mesh.shape[a] for a in sharding.BATCH)
-    k = config.train.microbatches
-    for name, rows in (("train.batch_size", config.train.batch_size // k),
-                       ("eval.batch_size", config.eval.batch_size)):
-      if rows % shards or (name.startswith("train") and config.train.batch_size % k):
-        raise ValueError(f"{name}={rows} (per microbatch) is not divisible by the {shards} batch "
-                         f"shards of the mesh (data x fsdp); choose a multiple of {shards}"
-                         + (f" x train.microbatches={k}" if name.startswith("train") else ""))
+    rows, k = config.train.batch_size, config.train.microbatches
+    if rows % (k * shards):
+      raise ValueError(f"train.batch_size={rows} does not split into train.microbatches={k} "
+                       f"microbatches of a multiple of the {shards} batch shards of the mesh "
+                       f"(data x fsdp) each; choose a multiple of {k * shards}")
+    if config.eval.batch_size % shards:
+      raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the {shards} "
+                       f"batch shards of the mesh (data x fsdp); choose a multiple of {shards}")
     if config.train.on_nonfinite not in ("stop", "skip"):
       raise ValueError(f"unknown train.on_nonfinite {config.train.on_nonfinite!r}; choose stop or skip")
     # The state as created, each parameter (and optimiser moment) boxed with its logical axes.
@@ -52,9 +69,9 @@ class Experiment:
     self.num_params = model_lib.count_params(self.abstract_state.params)
 
   def _init_boxed(self, rng: jax.Array) -> TrainState:
-    cfg = self.model_cfg
-    inputs = (jnp.zeros((1, 8, cfg.input_dim), jnp.float32) if cfg.input_dim
-              else jnp.zeros((1, 8), jnp.int32))
+    # One row of the run's own length: initialisation runs the attention kernels the run will use,
+    # so it must not refuse a length they accept.
+    inputs = self.task.example()["inputs"][:1]
     init_rng, train_rng = jax.random.split(rng)
     params = self.model.init(init_rng, inputs)["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,

@@ -6,6 +6,7 @@ Resumes from the latest complete checkpoint in DIR; on SIGTERM finishes the step
 
 import numbers
 import signal
+import sys
 import time
 
 import jax
@@ -47,34 +48,72 @@ class HostData:
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-class Preemption:
-  """SIGTERM (what schedulers and TPU maintenance send) asks for a save and a clean exit. With
-  several processes JAX's preemption service agrees on the step at which all of them stop."""
+class StopRequests:
+  """Signals that ask for a save and an exit at the end of the current step: SIGTERM (what
+  schedulers and TPU maintenance send) and, in a single-process run, SIGINT (Ctrl-C; a second one
+  interrupts at once). With several processes JAX's preemption service agrees on the step at which
+  all of them stop for SIGTERM, and Ctrl-C interrupts each process at once. The previous handlers
+  come back with `restore()`."""
 
   def __init__(self):
-    self.requested = False
+    self.signal = None
+    self.previous = {}
     if jax.process_count() == 1:
-      signal.signal(signal.SIGTERM, self._request)
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        self.previous[signum] = signal.signal(signum, self._request)
 
   def _request(self, signum, frame):
-    del signum, frame
-    self.requested = True
+    del frame
+    self.signal = signum
+    if signum == signal.SIGINT:  # no print here: it could land inside a print of the loop
+      signal.signal(signal.SIGINT, signal.default_int_handler)
 
   def reached(self, step: int) -> bool:
     if jax.process_count() > 1:
       return multihost_utils.reached_preemption_sync_point(step)
-    return self.requested
+    return self.signal is not None
+
+  def restore(self) -> None:
+    for signum, handler in self.previous.items():
+      signal.signal(signum, handler)
 
 
 def _setup(config: ml_collections.ConfigDict, workdir: epath.Path):
   """Everything that can fail because of the config, the data or the workdir, before training."""
+  if workdir.exists() and not workdir.is_dir():
+    raise ValueError(f"--workdir={workdir} is a file; give a directory (it is created if missing)")
   exp = Experiment(config)
   data = HostData(exp)
   ckpt = checkpointing.Checkpointer(workdir, config.checkpoint)
   latest = ckpt.latest_step()
-  if latest is not None:
-    checkpointing.check_compatible(ckpt.saved_config(latest), config.to_dict())
-  return exp, data, ckpt, latest
+  if latest is not None and latest > config.train.steps:
+    # Resuming would evaluate the later parameters and label them with the earlier step.
+    raise ValueError(f"{workdir} holds a checkpoint at step {latest}, past train.steps="
+                     f"{config.train.steps}; set --config.train.steps={latest} or more to go on "
+                     f"training, evaluate it with `lm-eval --workdir={workdir} --step={latest}`, "
+                     f"or use a new --workdir")
+  return exp, data, ckpt
+
+
+def _restore(exp: Experiment, data: HostData, ckpt: checkpointing.Checkpointer, workdir: epath.Path):
+  """(step, state) of the newest checkpoint, or (None, None) without one. A damaged step stops the
+  run with a message, or with checkpoint.skip_damaged is set aside with a warning for the one
+  before it."""
+  config = exp.config
+  while (step := ckpt.latest_step()) is not None:
+    try:
+      checkpointing.check_compatible(ckpt.saved_config(step), config.to_dict())
+      return step, ckpt.restore(step, exp.abstract_sharded_state(), data.shards)
+    except checkpointing.DamagedCheckpointError as e:
+      if not config.checkpoint.skip_damaged:
+        raise ValueError(f"{e}. To resume from the newest checkpoint before it, add "
+                         f"--config.checkpoint.skip_damaged=true (damaged steps move to "
+                         f"{workdir}/damaged_checkpoints; nothing is deleted)") from e
+      print(f"warning: {e}; moved it to {ckpt.set_aside(step)}", flush=True)
+  if (workdir / "damaged_checkpoints").exists():
+    # The data iterators may hold a damaged step's positions: never start over from those.
+    raise ValueError(f"no intact checkpoint is left in {ckpt.directory}; use a new --workdir")
+  return None, None
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -85,10 +124,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   workdir = epath.Path(workdir)
   clock = goodput.Clock()
   compilation_cache.enable(config.compilation_cache, workdir)
-  exp, data, ckpt, latest = _setup(config, workdir)
+  exp, data, ckpt = _setup(config, workdir)
   is_main = jax.process_index() == 0
-  if is_main:
-    (workdir / "config.json").write_text(config.to_json(indent=1))
   seq_len, steps = exp.task.seq_len, config.train.steps
   tokens_per_step = config.train.batch_size * seq_len
   flops_per_token = flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len)
@@ -98,12 +135,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         f"mesh {dict(exp.mesh.shape)}", flush=True)
 
   clock.enter("restoring")
+  start = time.perf_counter()
+  latest, state = _restore(exp, data, ckpt, workdir)
   if latest is None:
     state = exp.init_state()
   else:
-    start = time.perf_counter()
-    state = ckpt.restore(latest, exp.abstract_sharded_state(), data.shards)
     print(f"resumed from the checkpoint at step {latest} ({time.perf_counter() - start:.1f}s)", flush=True)
+  if is_main:  # after the checks of _restore: a refused config never replaces the run's own
+    (workdir / "config.json").write_text(config.to_json(indent=1))
   first = int(jax.device_get(state.step))
   eval_sets = exp.eval_sets()
   writer = metrics.Writer(workdir, enabled=is_main)
@@ -114,7 +153,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                               "tokens_per_step": tokens_per_step})
   progress = metrics.Progress(steps, tokens_per_step, first, flops_per_token,
                               flops.peak_flops(jax.devices()))
-  preemption = Preemption()
+  requests = StopRequests()
   clock.enter("training")
 
   def run_eval(step: int, sets=eval_sets) -> dict:
@@ -144,8 +183,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         message = (f"non-finite loss {stats['loss']} or gradient norm {stats['grad_norm']} at step "
                    f"{step}; the update was not applied")
         if config.train.on_nonfinite == "stop":
-          raise FloatingPointError(f"{message}. Stopping; the latest checkpoint is at step "
-                                   f"{ckpt.latest_step()}. Lower train.lr or set train.on_nonfinite=skip")
+          raise FloatingPointError(f"{message}; stopping. Lower train.lr or set "
+                                   f"train.on_nonfinite=skip")
         print(f"warning: {message} (train.on_nonfinite=skip)", flush=True)
         writer.write(step, "skipped", stats)
       if step % config.train.log_every_steps == 0 or step == steps:
@@ -155,43 +194,63 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return unread[len(unread) - keep:]
 
   unread = []  # (step, stats) of dispatched steps whose metrics are still on the device
-  for step in range(first + 1, steps + 1):
-    state, stats = exp.train_step(state, exp.global_batch(data.next()))
-    unread.append((step, stats))
-    stop = preemption.reached(step)
-    save = stop or step == steps or step % config.checkpoint.every_steps == 0
-    # The one place metrics are read: one step late, so the host has dispatched the next step
-    # before it waits for this one; all of them before a save, so a checkpoint holds checked steps.
-    unread = read(unread, keep=0 if save else 1)
-    if save:
-      clock.enter("checkpointing")
-      start = time.perf_counter()
-      ckpt.save(step, state, data.shards, config, force=True)
-      writer.write(step, "checkpoint", {"seconds_blocked": time.perf_counter() - start})
-      clock.enter("training")
-    if stop:
-      clock.enter("checkpointing")
-      ckpt.wait()
-      writer.write(step, "goodput", clock.totals())
-      print(f"preempted: saved the checkpoint at step {step}; exiting", flush=True)
-      ckpt.close()
-      writer.close()
-      raise SystemExit(0)
-    if step % config.eval.every_steps == 0 and step < steps:
-      run_eval(step)
-  final = run_eval(steps, exp.eval_sets(final=True))
+  stop = False
+  try:
+    for step in range(first + 1, steps + 1):
+      state, stats = exp.train_step(state, exp.global_batch(data.next()))
+      unread.append((step, stats))
+      stop = requests.reached(step)
+      save = stop or step == steps or step % config.checkpoint.every_steps == 0
+      # The one place metrics are read: one step late, so the host has dispatched the next step
+      # before it waits for this one; all of them before a save, so a checkpoint holds checked steps.
+      unread = read(unread, keep=0 if save else 1)
+      if save:
+        clock.enter("checkpointing")
+        start = time.perf_counter()
+        ckpt.save(step, state, data.shards, config, force=True)
+        writer.write(step, "checkpoint", {"seconds_blocked": time.perf_counter() - start})
+        clock.enter("training")
+      if stop:
+        break
+      if step % config.eval.every_steps == 0 and step < steps:
+        run_eval(step)
+    if not stop:
+      final = run_eval(steps, exp.eval_sets(final=True))
+  except BaseException:
+    _close_after_failure(ckpt, workdir)
+    writer.close()
+    raise
+  finally:
+    requests.restore()
+    clock.close()
   clock.enter("checkpointing")
-  ckpt.wait()
-  writer.write(steps, "goodput", clock.totals())
-  clock.close()
-  ckpt.close()
+  ckpt.close()  # waits for the save in flight
+  writer.write(step if stop else steps, "goodput", clock.totals())
   writer.close()
+  if stop:
+    interrupted = requests.signal == signal.SIGINT
+    print(f"{'interrupted' if interrupted else 'preempted'}: saved the checkpoint at step {step}; "
+          f"exiting", flush=True)
+    raise SystemExit(130 if interrupted else 0)  # 130: what a shell reports after Ctrl-C
   main_set = next(iter(final.values()))
   if "perplexity" in main_set:
     baseline = main_set.get("unigram_perplexity")
     print(f"final validation perplexity {main_set['perplexity']:.2f}"
           + (f" (unigram baseline {baseline:.2f})" if baseline else ""), flush=True)
   return final
+
+
+def _close_after_failure(ckpt: checkpointing.Checkpointer, workdir: epath.Path) -> None:
+  """Finishes the save in flight (so the checkpoint named here exists) and says where a rerun of
+  the same command resumes."""
+  try:
+    ckpt.close()
+  except Exception as e:  # The save in flight failed too (a full disk): orbax left no step of it.
+    print(f"the checkpoint being saved failed: {e}", file=sys.stderr, flush=True)
+  latest = checkpointing.latest_step(workdir)
+  print("no checkpoint was saved" if latest is None else
+        f"the latest checkpoint is at step {latest}; the same command resumes from it",
+        file=sys.stderr, flush=True)
 
 
 def main(argv):
@@ -205,7 +264,7 @@ def main(argv):
   try:
     with ownership.hold(FLAGS.workdir, FLAGS.lease_seconds):
       train_and_evaluate(FLAGS.config, FLAGS.workdir)
-  except (ValueError, FileNotFoundError, ownership.WorkdirError) as e:
+  except (ValueError, OSError, FloatingPointError, ownership.WorkdirError) as e:
     raise SystemExit(f"lm-train: {e}") from e
 
 

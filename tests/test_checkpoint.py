@@ -1,6 +1,7 @@
 """Checkpoint, resume, preemption and safety, with real processes killed mid-run."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -107,16 +108,23 @@ def test_on_gcs_sigkill_then_resume_matches_an_uninterrupted_run(small_corpus, r
   assert set(steps) == set(range(1, 31)) and len(steps) >= 30
 
 
+def stop_with(signum: int, tmp_path, corpus, workdir) -> int:
+  """Sends signum to a run at step 12; returns the step it says it saved (checked on disk)."""
+  proc = trainer(tmp_path, corpus, workdir, every=100)
+  run_until(proc, "step 12/30")
+  proc.send_signal(signum)
+  output = proc.communicate(timeout=120)[0]
+  word, code = ("interrupted", 130) if signum == signal.SIGINT else ("preempted", 0)
+  assert proc.returncode == code and "Traceback" not in output, output[-3000:]
+  saved = int(output.split(f"{word}: saved the checkpoint at step ")[1].split(";")[0])
+  assert saved >= 12 and checkpointing.latest_step(workdir) == saved
+  assert not [p.name for p in (workdir / "checkpoints").iterdir() if "tmp" in p.name]
+  return saved
+
+
 def test_sigterm_saves_and_exits_cleanly(small_corpus, reference, tmp_path):
   workdir = tmp_path / "run"
-  proc = trainer(tmp_path, small_corpus, workdir, every=100)
-  run_until(proc, "step 12/30")
-  proc.send_signal(signal.SIGTERM)
-  output = proc.communicate(timeout=120)[0]
-  assert proc.returncode == 0, output[-3000:]
-  saved = int(output.split("preempted: saved the checkpoint at step ")[1].split(";")[0])
-  assert saved >= 12
-  assert checkpointing.Checkpointer(workdir, small_config(small_corpus).checkpoint).latest_step() == saved
+  saved = stop_with(signal.SIGTERM, tmp_path, small_corpus, workdir)
   proc = trainer(tmp_path, small_corpus, workdir, every=100)
   output = proc.communicate(timeout=300)[0]
   assert f"resumed from the checkpoint at step {saved}" in output
@@ -192,3 +200,84 @@ def test_a_relative_workdir_checkpoints_and_loads(small_corpus, tmp_path, monkey
   c.checkpoint.update(every_steps=2, use_async=True)
   train.train_and_evaluate(c, "runs/relative")
   assert checkpointing.saved_config("runs/relative")[0] == 4
+
+
+def test_a_non_finite_stop_finishes_the_save_in_flight(small_corpus, tmp_path, capsys):
+  """The stop comes while the asynchronous save of the step before is being written."""
+  c = small_config(small_corpus)
+  c.train.update(lr=1e9, warmup_steps=1, steps=10, log_every_steps=1)
+  c.checkpoint.update(every_steps=1, use_async=True)
+  with pytest.raises(FloatingPointError, match=r"non-finite loss .* at step (\d+)") as e:
+    train.train_and_evaluate(c, str(tmp_path))
+  failed = int(re.search(r"at step (\d+)", str(e.value))[1])
+  named = int(re.search(r"the latest checkpoint is at step (\d+)", capsys.readouterr().err)[1])
+  ckpts = tmp_path / "checkpoints"
+  assert named == failed - 1 >= 1
+  assert not [p.name for p in ckpts.iterdir() if "tmp" in p.name], "a save was abandoned"
+  assert checkpointing.saved_config(str(tmp_path))[0] == named
+  assert_finite(checkpointing.load(str(tmp_path), named)[1])
+
+
+def test_sigint_saves_and_exits_130(small_corpus, reference, tmp_path):
+  """Ctrl-C saves as SIGTERM does; 130 tells a calling script that the run did not finish."""
+  workdir = tmp_path / "run"
+  saved = stop_with(signal.SIGINT, tmp_path, small_corpus, workdir)
+  assert losses(workdir) == {s: l for s, l in losses(reference).items() if s <= saved}
+
+
+def test_resuming_with_fewer_steps_than_the_checkpoint_stops(small_corpus, reference, tmp_path):
+  """Going on would evaluate step 30's parameters and log them as step 20's."""
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  c = small_config(small_corpus)
+  c.train.steps = 20
+  with pytest.raises(ValueError, match=r"holds a checkpoint at step 30, past train.steps=20; set "
+                     r"--config.train.steps=30 or more .*`lm-eval --workdir=.* --step=30`"):
+    train.train_and_evaluate(c, str(workdir))
+  assert checkpointing.latest_step(workdir) == 30
+
+
+def damage(step_dir, how: str) -> None:
+  if how == "truncated file":
+    for f in (step_dir / "state").rglob("*"):
+      if f.is_file() and f.parent.name == "d":
+        f.write_bytes(f.read_bytes()[:10])
+  elif how == "missing file":
+    (step_dir / "data" / "shard_00000.json").unlink()
+  else:  # an empty step directory
+    shutil.rmtree(step_dir)
+    step_dir.mkdir()
+
+
+@pytest.mark.parametrize("how", ["truncated file", "missing file", "empty step directory"])
+def test_a_damaged_latest_checkpoint_is_named_in_one_message(small_corpus, reference, tmp_path, how):
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  damage(workdir / "checkpoints" / "30", how)
+  c = small_config(small_corpus)
+  c.train.steps = 30
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(c, str(workdir))
+  message = str(e.value)
+  assert message.startswith(f"the checkpoint at step 30 ({workdir}/checkpoints/30) cannot be read: ")
+  assert "\n" not in message and len(message) < 700, message
+  assert message.endswith("add --config.checkpoint.skip_damaged=true (damaged steps move to "
+                          f"{workdir}/damaged_checkpoints; nothing is deleted)")
+  assert (workdir / "checkpoints" / "30").exists()  # nothing moved without the flag
+
+
+def test_skip_damaged_resumes_from_the_step_before(small_corpus, reference, tmp_path, capsys):
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  damage(workdir / "checkpoints" / "30", "truncated file")
+  c = small_config(small_corpus)
+  c.train.update(steps=30, log_every_steps=1)
+  c.checkpoint.update(every_steps=5, skip_damaged=True)
+  train.train_and_evaluate(c, str(workdir))
+  out = capsys.readouterr().out
+  assert re.search(r"warning: the checkpoint at step 30 .* cannot be read: .*; moved it to "
+                   rf"{workdir}/damaged_checkpoints/30\n", out), out
+  assert "resumed from the checkpoint at step 25" in out
+  assert (workdir / "damaged_checkpoints" / "30" / "state").is_dir()  # kept, out of the way
+  assert checkpointing.latest_step(workdir) == 30  # trained again and saved
+  assert losses(workdir) == losses(reference)

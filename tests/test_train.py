@@ -107,3 +107,54 @@ def test_first_step_matches_the_golden_values(name):
       "or the loss computes something else. If that change is intended, say so in the commit message "
       "and update GOLDEN_FIRST_STEP; if not, it is a bug. A difference near 1e-6 alone is only "
       "floating-point summation order (another jax version or kernel)."))
+
+
+@pytest.mark.parametrize("field, value", [("train.steps", 0), ("train.steps", -5),
+                                          ("train.microbatches", 0), ("checkpoint.every_steps", 0),
+                                          ("eval.every_steps", 0), ("data.seq_len", 0)])
+def test_counts_below_one_are_refused_by_name(field, value):
+  c = tiny.get_config()
+  section, name = field.split(".")
+  c[section][name] = value
+  with pytest.raises(ValueError, match=rf"^{field}={value} counts something and must be a whole "
+                     rf"number of at least 1; set --config.{field}=N$"):
+    Experiment(c)
+
+
+def test_a_microbatch_split_that_does_not_fit_names_the_batch_size():
+  c = tiny.get_config()
+  c.train.update(batch_size=32, microbatches=3)
+  with pytest.raises(ValueError, match=r"train.batch_size=32 does not split into "
+                     r"train.microbatches=3 microbatches .*; choose a multiple of 3$"):
+    Experiment(c)
+
+
+def test_a_workdir_that_is_a_file_is_refused(tmp_path):
+  (tmp_path / "run").write_text("notes")
+  with pytest.raises(ValueError, match=r"--workdir=.*run is a file; give a directory"):
+    train.train_and_evaluate(tiny.get_config(), str(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config=configs/nope.py"],
+     "cannot load --config: [Errno 2] No such file or directory: 'configs/nope.py'"),
+    (["--config=configs/tiny.py", "--config.train.stpes=3"],
+     "no config field 'stpes' (from a --config.* override); "
+     "Did you mean \"steps\" instead of \"stpes\"?")])
+def test_config_mistakes_are_one_line(tmp_path, args, message):
+  result = subprocess.run([sys.executable, "-m", "lm.train", f"--workdir={tmp_path}", *args],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr == f"train.py: {message}\n"
+
+
+def test_initialisation_leaves_the_choice_of_kernel_to_the_run():
+  """The model used to be initialised on 8 tokens, which the Pallas kernel (blocks of 128) refused
+  whatever data.seq_len was."""
+  c = tiny.get_config()
+  c.model.attention_impl = "pallas"
+  c.data.seq_len = 128
+  assert Experiment(c).num_params > 0
+  c.data.seq_len = 100
+  with pytest.raises(ValueError, match="tiles sequences in blocks of 128, got lengths 100"):
+    Experiment(c)
