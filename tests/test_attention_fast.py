@@ -269,14 +269,9 @@ def test_every_dropping_impl_equals_reference_under_the_same_mask(impl):
   fast = lambda q, k, v, **kw: attention.attend(q, k, v, **kw, impl=impl)
   _assert_same(fast, attention.preset("hyla"), segment_ids=SEGMENTS_BT, bias=False, causal=False,
                dropout_rate=0.3)
-  q, k, v, _, _ = _inputs()
-  plain = attention.attend(q, k, v, **attention.preset("hyla"), impl=impl)
-  dropped = attention.attend(q, k, v, **attention.preset("hyla"), impl=impl, dropout_rate=0.3,
-                             dropout_rng=jax.random.key(0))
-  assert not np.allclose(plain, dropped)
 
 
-@pytest.mark.parametrize("preset", ["softmax", "linear", "hyla"])
+@pytest.mark.parametrize("preset", ["softmax", "hyla"])
 def test_model_dropout_takes_the_fast_kernel_with_the_reference_mask(preset):
   tokens_bt = jax.random.randint(jax.random.key(0), (2, 12), 0, 16)
   outs = []

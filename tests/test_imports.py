@@ -9,8 +9,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Each package and the packages it may import besides itself: launch → lm → data_pipelines, eval → lm.
 ALLOWED = {"launch": {"lm", "data_pipelines"}, "eval": {"lm", "data_pipelines"}, "lm": {"data_pipelines"},
            "data_pipelines": set(), "configs": {"data_pipelines"}}
-# Known upward imports, each to be removed from here with the import itself.
-KNOWN: set[tuple[str, str]] = set()
 KERNELS = ("lm.attention_blocked", "lm.attention_linear", "lm.attention_softmax")
 
 
@@ -36,14 +34,14 @@ def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
 
 
 def problems(graph: dict[str, set[str]]) -> list[str]:
-  """Upward imports (not in KNOWN) and import cycles, as readable lines."""
+  """Upward imports and import cycles, as readable lines."""
   def rule(package):
     allowed = sorted(ALLOWED[package])
     return f"{package} may import only {', '.join(allowed)}" if allowed else f"{package} imports nothing"
 
   found = [f"{m} imports {t}: {rule(m.split('.')[0])} of ours"
            for m, targets in sorted(graph.items()) for t in sorted(targets)
-           if t.split(".")[0] not in ALLOWED[m.split(".")[0]] | {m.split(".")[0]} and (m, t) not in KNOWN]
+           if t.split(".")[0] not in ALLOWED[m.split(".")[0]] | {m.split(".")[0]}]
   try:
     graphlib.TopologicalSorter(graph).prepare()
   except graphlib.CycleError as e:
@@ -55,8 +53,6 @@ def test_no_upward_import_and_no_cycle():
   graph = import_graph(ROOT)
   assert {"lm.attention", "lm.model", "eval.latent", "launch.compile", "data_pipelines.sraven"} <= set(graph)
   assert not problems(graph), "\n".join(problems(graph))
-  for module, target in KNOWN:
-    assert target in graph[module], f"{module} no longer imports {target}: remove it from KNOWN"
 
 
 def test_attention_kernels_import_only_the_core():
