@@ -198,4 +198,6 @@ def _directory(workdir: str | epath.Path) -> epath.Path:
 
 
 def _reader(workdir: str) -> ocp.CheckpointManager:
-  return ocp.CheckpointManager(_directory(workdir), item_names=("state", "data", "config"))
+  # create=False: reading a misspelt workdir must not create it.
+  return ocp.CheckpointManager(_directory(workdir), item_names=("state", "data", "config"),
+                               options=ocp.CheckpointManagerOptions(create=False))

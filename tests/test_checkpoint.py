@@ -281,3 +281,10 @@ def test_skip_damaged_resumes_from_the_step_before(small_corpus, reference, tmp_
   assert (workdir / "damaged_checkpoints" / "30" / "state").is_dir()  # kept, out of the way
   assert checkpointing.latest_step(workdir) == 30  # trained again and saved
   assert losses(workdir) == losses(reference)
+
+
+def test_reading_a_misspelt_workdir_creates_nothing(tmp_path):
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint in .*/typo/checkpoints"):
+    checkpointing.saved_config(str(tmp_path / "typo"))
+  assert checkpointing.latest_step(tmp_path / "typo") is None
+  assert not (tmp_path / "typo").exists()
