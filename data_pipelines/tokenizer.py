@@ -58,7 +58,11 @@ class Tokenizer:
     self.path = path
     proto = path.read_bytes()
     self.sha256 = hashlib.sha256(proto).hexdigest()
-    self.sp = spm.SentencePieceProcessor(model_proto=proto)
+    try:
+      self.sp = spm.SentencePieceProcessor(model_proto=proto)
+    except RuntimeError as e:  # SentencePiece's only word on it is a failed protobuf parse
+      raise ValueError(f"tokenizer {path} is not a SentencePiece model; set data.tokenizer to a "
+                       f"SentencePiece .model file") from e
     self.vocab_size = self.sp.get_piece_size()
     self.bos, self.eos, self.pad = self.sp.bos_id(), self.sp.eos_id(), max(self.sp.pad_id(), 0)
 

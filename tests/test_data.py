@@ -139,3 +139,10 @@ def test_scene_splitting_merges_short_pieces():
   assert len(docs) == 2 and docs[1].startswith("Scene II.") and "SCENE III" in docs[1]
   assert "".join(docs).replace("\n", "").replace(" ", "") == (text + "\nSCENE III.\n" + "long " * 300
                                                           ).replace("\n", "").replace(" ", "")
+
+
+def test_a_tokenizer_file_that_is_not_a_sentencepiece_model_is_named(tmp_path):
+  (tmp_path / "vocab.txt").write_text("the\nquick\nfox\n")
+  with pytest.raises(ValueError, match=r"tokenizer .*vocab.txt is not a SentencePiece model; set "
+                     r"data.tokenizer to a SentencePiece .model file"):
+    tokenizer.Tokenizer(tmp_path / "vocab.txt")
