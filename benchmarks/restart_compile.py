@@ -2,9 +2,11 @@
 
   flock /tmp/bench.lock python benchmarks/restart_compile.py --out=docs/restart_compile.md
 
-For each model: one `lm-train` run of 2 steps saves a checkpoint and fills a compilation cache. Then
-restarts, alternating with the cache (`--config.compilation_cache=DIR`) and without
-(`--config.compilation_cache=none`): each resumes a fresh copy of that checkpoint, and the time from
+For each model: one `lm-train` run of 3 steps saves checkpoints at steps 2 and 3 and fills a
+compilation cache. Then restarts, alternating with the cache (`--config.compilation_cache=DIR`) and
+without (`--config.compilation_cache=none`): each resumes a copy of that workdir with the step-3
+checkpoint removed (same config, so the same programs: the learning-rate schedule, for one, is
+compiled in), and the time from
 starting the process to its first step's progress line is measured (imports, setup, restore, compile,
 one step), after which the process is killed. Reported: min and median per variant and the ratio of
 the medians. Models: configs/tiny.py, and the same at c4_50m's width and depth (D=512, H=8, L=6,
@@ -60,14 +62,15 @@ def measure(name: str, overrides: list[str]) -> dict[str, list[float]]:
   root = os.path.join(FLAGS.scratch, name.split()[0])
   shutil.rmtree(root, ignore_errors=True)
   base, cache = os.path.join(root, "base"), os.path.join(root, "cache")
-  result = subprocess.run(train(base, cache, 2, overrides), capture_output=True, text=True)
+  result = subprocess.run(train(base, cache, 3, overrides), capture_output=True, text=True)
   if result.returncode:
     raise RuntimeError(result.stdout[-3000:] + result.stderr[-3000:])
   times = {"with cache": [], "without cache": []}
   for i in range(FLAGS.repeats):
     for variant, setting in (("with cache", cache), ("without cache", "none")):
       workdir = os.path.join(root, f"restart{i}_{variant.split()[0]}")
-      shutil.copytree(base, workdir)  # The checkpoint at step 2; the cache lives elsewhere.
+      shutil.copytree(base, workdir)  # The cache lives elsewhere.
+      shutil.rmtree(os.path.join(workdir, "checkpoints", "3"))  # Resume from step 2.
       times[variant].append(time_to_first_step(train(workdir, setting, 3, overrides)))
       print(f"{name}, {variant}: {times[variant][-1]:.1f}s", flush=True)
   return times
