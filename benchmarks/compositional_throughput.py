@@ -11,11 +11,17 @@ of the repeats), CPU seconds per step (all threads; robust to other load on a sh
 the ratio of ours to the paper's, with `uptime` before and after. The paper's side runs
 benchmarks/paper_code_steps.py in its own venv (jax 0.4.38, flax 0.10.2; see that file).
 
-`--worker` measures ours once in this process (what the driver runs).
+`--worker` measures ours once in this process (what the driver runs); with `--profile=DIR` it also
+traces 3 steps with jax.profiler and prints each kind of XLA operation's share of the step (fusions
+by kind, numbered instances summed) and the 8 longest operations.
 """
 
+import collections
+import glob
+import gzip
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -30,6 +36,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Alternating repeats per preset.")
 _PAPER_PYTHON = flags.DEFINE_string("paper_python", None, "Python of the paper code's venv.")
 _PAPER_REPO = flags.DEFINE_string("paper_repo", None, "Checkout of smonsays/hypernetwork-attention.")
 _WORKER = flags.DEFINE_bool("worker", False, "Measure ours once (--presets and --dtypes: one each).")
+_PROFILE = flags.DEFINE_string("profile", None, "With --worker: trace 3 steps into this directory.")
 
 PAPER_MODEL = {"softmax": "transformer", "linear": "linear_transformer", "hyla": "linear_hypatt"}
 WARMUP_STEPS = 5
@@ -57,8 +64,30 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
     state, stats = exp.train_step(state, exp.global_batch(data.next()))
   jax.block_until_ready(stats)
   seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+  if _PROFILE.value:
+    with jax.profiler.trace(_PROFILE.value, create_perfetto_trace=True):
+      for _ in range(3):
+        state, stats = exp.train_step(state, exp.global_batch(data.next()))
+      jax.block_until_ready(stats)
+    print_profile(_PROFILE.value)
   return {"code": "ours", "preset": preset, "dtype": dtype, "steps_per_s": steps / seconds,
           "cpu_s_per_step": cpu / steps, "loss": float(stats["loss"]), "jax": jax.__version__}
+
+
+def print_profile(directory: str) -> None:
+  """Time share of XLA's operations in the newest perfetto trace under directory."""
+  path = sorted(glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True), key=os.path.getmtime)[-1]
+  ops = [e for e in json.load(gzip.open(path))["traceEvents"] if e.get("ph") == "X"
+         and not e["name"].startswith("$") and not re.match(r"(ThunkExecutor|Slinky)", e["name"])]
+  kinds, each = collections.Counter(), collections.Counter()
+  for e in ops:
+    kinds[re.sub(r"\.\d+$", "", e["name"])] += e.get("dur", 0)
+    each[e["name"]] += e.get("dur", 0)
+  total = sum(kinds.values())
+  for name, us in kinds.most_common(10):
+    print(f"{us / total:6.1%}  {name}")
+  for name, us in each.most_common(8):
+    print(f"{us / total:6.1%}  {name} (one operation)")
 
 
 def _run(cmd: list[str]) -> dict:

@@ -1,4 +1,4 @@
-"""Fuzzy-logic regression (PAPER.md section 3) as the paper's code runs its ablation setting:
+"""Fuzzy-logic regression (docs/paper.md section 3) as the paper's code runs its ablation setting:
 L=4, K=2, N=32, frac_test=0.7; 2 layers, width 128, 8 heads, q/k/v width 16, MLP 256; 50k steps x
 batch 128. docs/compositional.md compares every field with the paper's code.
 

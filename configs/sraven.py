@@ -1,4 +1,4 @@
-"""SRAVEN (PAPER.md section 4) as the paper's code runs it: 4 layers, width 128, 16 heads, q/k/v width
+"""SRAVEN (docs/paper.md section 4) as the paper's code runs it: 4 layers, width 128, 16 heads, q/k/v width
 64, 20M instances. docs/compositional.md compares every field with the paper's code.
 
 Shorten the budget with `--config.train.instances=N` (steps follow); scale the model with
