@@ -124,3 +124,15 @@ def test_ridge_r2_of_the_paper_code_protocol():
   y_nt = np.stack([x_nf @ rng.normal(size=6), rng.normal(size=400)], axis=1)
   # Target 0 is linear in x (R² near 1), target 1 is noise (R² near 0 or below): the mean of the two.
   assert latent.ridge_r2(x_nf, y_nt) == pytest.approx(0.5, abs=0.03)
+
+
+def test_fuzzy_paper_code_protocol_uses_one_query_point_and_all_layers():
+  c = tiny(fuzzy_config)
+  exp = Experiment(c)
+  codes = latent.codes_fn(c, exp.init_state().params)
+  x_lnh, terms_nk = latent.fuzzy_codes(c, codes, "train", 32, fixed_query=True)
+  assert x_lnh.shape == (2, 32, 4) and terms_nk.shape == (32, 2)
+  # One query point for all sequences, different contexts: the self-codes still vary.
+  assert np.ptp(x_lnh, axis=1).max() > 0
+  result = latent.paper_code_protocol(c, codes, 64)
+  assert result["examples"] == 64 and result["term_bits_r2"] <= 1
