@@ -80,12 +80,15 @@ def differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
   """(field, saved value, current value) of every field outside MUTABLE_FIELDS that differs."""
   mutable = lambda key: any(key == m or key.startswith(m + ".") for m in MUTABLE_FIELDS)
   old, new = _flat(saved), _flat(current)
-  for flat in (old, new):
+
+  def same(k):
     # Attention compares layer by layer: "hyla,softmax" over 4 layers is "hyla,softmax,hyla,softmax".
-    if "model.attention" in flat and "model.L" in flat:
-      flat["model.attention"] = ",".join(model_lib.layer_presets(flat["model.attention"], flat["model.L"]))
-  return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-          if not mutable(k) and old.get(k) != new.get(k)]
+    if k == "model.attention" and k in old and k in new and "model.L" in old and "model.L" in new:
+      return (model_lib.layer_presets(old[k], old["model.L"])
+              == model_lib.layer_presets(new[k], new["model.L"]))
+    return old.get(k) == new.get(k)
+
+  return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if not mutable(k) and not same(k)]
 
 
 def check_compatible(saved: dict, current: dict) -> None:

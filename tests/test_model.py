@@ -149,5 +149,5 @@ def test_bad_hybrid_fails_with_a_clear_message(attention, message):
 def test_checkpoint_compatibility_compares_layers():
   saved = {"model": {"attention": "hyla,softmax", "L": 4}}
   checkpointing.check_compatible(saved, {"model": {"attention": "hyla,softmax,hyla,softmax", "L": 4}})
-  with pytest.raises(ValueError, match="model.attention: checkpoint has 'hyla,softmax,hyla,softmax'"):
+  with pytest.raises(ValueError, match="model.attention: checkpoint has 'hyla,softmax', config has 'softmax,hyla'"):
     checkpointing.check_compatible(saved, {"model": {"attention": "softmax,hyla", "L": 4}})
