@@ -23,8 +23,9 @@ flags.DEFINE_integer("batch", 1, "Batch size.")
 flags.DEFINE_integer("heads", 8, "Heads (the c4_50m config: 8 of width 64).")
 flags.DEFINE_integer("head_dim", 64, "Head width.")
 flags.DEFINE_integer("repeats", 5, "Timed calls per measurement (after one warm-up call).")
-flags.DEFINE_integer("reference_max_len", 1024, "Longest sequence to run impl reference at (its "
-                     "HYLA tensor is batch x seq² x head_dim floats).")
+flags.DEFINE_integer(
+    "reference_max_len", 1024, "Longest sequence to run impl reference at (its "
+    "HYLA tensor is batch x seq² x head_dim floats).")
 flags.DEFINE_string("out", "", "Write the markdown table here too.")
 
 # (preset, impl); the first is the baseline every ratio divides by.
@@ -46,8 +47,8 @@ def measure(preset: str, impl: str, seq_len: int) -> tuple[float, int]:
     jax.block_until_ready(compiled(q, k, v))
     times.append(time.perf_counter() - start)
   m = compiled.memory_analysis()
-  return min(times), (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                      - m.alias_size_in_bytes)
+  return min(times), (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes -
+                      m.alias_size_in_bytes)
 
 
 def _ratio(r: float) -> str:
@@ -73,8 +74,8 @@ def auto_impl(preset: str) -> str:
 def main(argv):
   del argv
   runs = list(RUNS)
-  header = ("| seq | softmax dot_product: ms, MiB | "
-            + " | ".join(f"{p} {i}: time, mem" for p, i in runs[1:]) + " | hyla auto / softmax auto |")
+  header = ("| seq | softmax dot_product: ms, MiB | " +
+            " | ".join(f"{p} {i}: time, mem" for p, i in runs[1:]) + " | hyla auto / softmax auto |")
   lines = [header, "|" + "---|" * (len(runs) + 2)]
   print(header, flush=True)
   for seq_len in map(int, FLAGS.seq_lens):

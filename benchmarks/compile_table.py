@@ -64,20 +64,19 @@ def main(argv):
   if FLAGS.out:
     chips = f"{r['chips']} chips of {r['device_kind']} with {r['hbm_bytes'] / compile_lib.GiB:.0f} GiB HBM each"
     with open(FLAGS.out, "w") as f:
-      f.write(
-          f"# lm-compile on {FLAGS.topology}: configs/c4_50m.py by attention and context\n\n"
-          f"The full c4_50m train step ({r['num_params']:,} parameters, bfloat16 compute, float32 "
-          f"state, mesh {r['mesh']}) compiled ahead of time for {FLAGS.topology}, {chips}, on a "
-          f"CPU host with libtpu {importlib.metadata.version('libtpu')} and jax {jax.__version__}, "
-          f"{TOKENS_PER_STEP:,} tokens per step at every context (130B tokens in "
-          f"{r['steps']:,} steps). Memory and FLOPs are the compiler's, per chip; the model's FLOPs "
-          "are 6 per parameter and token plus the attention core (lm/flops.py). **Step and run "
-          "times are estimates, not measurements**: max(FLOPs / peak, HBM bytes / bandwidth) per "
-          "chip, with the larger of the two FLOP counts; docs/compile.md says how far to trust "
-          f"them. Made in {time.perf_counter() - start:.0f} s by\n\n"
-          f"    python benchmarks/compile_table.py --topology={FLAGS.topology} "
-          f"--attentions={','.join(FLAGS.attentions)} --contexts={','.join(FLAGS.contexts)} "
-          f"--out={FLAGS.out}\n\n{header}\n" + "\n".join(rows) + "\n")
+      f.write(f"# lm-compile on {FLAGS.topology}: configs/c4_50m.py by attention and context\n\n"
+              f"The full c4_50m train step ({r['num_params']:,} parameters, bfloat16 compute, float32 "
+              f"state, mesh {r['mesh']}) compiled ahead of time for {FLAGS.topology}, {chips}, on a "
+              f"CPU host with libtpu {importlib.metadata.version('libtpu')} and jax {jax.__version__}, "
+              f"{TOKENS_PER_STEP:,} tokens per step at every context (130B tokens in "
+              f"{r['steps']:,} steps). Memory and FLOPs are the compiler's, per chip; the model's FLOPs "
+              "are 6 per parameter and token plus the attention core (lm/flops.py). **Step and run "
+              "times are estimates, not measurements**: max(FLOPs / peak, HBM bytes / bandwidth) per "
+              "chip, with the larger of the two FLOP counts; docs/compile.md says how far to trust "
+              f"them. Made in {time.perf_counter() - start:.0f} s by\n\n"
+              f"    python benchmarks/compile_table.py --topology={FLAGS.topology} "
+              f"--attentions={','.join(FLAGS.attentions)} --contexts={','.join(FLAGS.contexts)} "
+              f"--out={FLAGS.out}\n\n{header}\n" + "\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":

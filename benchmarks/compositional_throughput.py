@@ -70,15 +70,24 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
         state, stats = exp.train_step(state, exp.global_batch(data.next()))
       jax.block_until_ready(stats)
     print_profile(_PROFILE.value)
-  return {"code": "ours", "preset": preset, "dtype": dtype, "steps_per_s": steps / seconds,
-          "cpu_s_per_step": cpu / steps, "loss": float(stats["loss"]), "jax": jax.__version__}
+  return {
+      "code": "ours",
+      "preset": preset,
+      "dtype": dtype,
+      "steps_per_s": steps / seconds,
+      "cpu_s_per_step": cpu / steps,
+      "loss": float(stats["loss"]),
+      "jax": jax.__version__
+  }
 
 
 def print_profile(directory: str) -> None:
   """Time share of XLA's operations in the newest perfetto trace under directory."""
   path = sorted(glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True), key=os.path.getmtime)[-1]
-  ops = [e for e in json.load(gzip.open(path))["traceEvents"] if e.get("ph") == "X"
-         and not e["name"].startswith("$") and not re.match(r"(ThunkExecutor|Slinky)", e["name"])]
+  ops = [
+      e for e in json.load(gzip.open(path))["traceEvents"] if e.get("ph") == "X" and
+      not e["name"].startswith("$") and not re.match(r"(ThunkExecutor|Slinky)", e["name"])
+  ]
   kinds, each = collections.Counter(), collections.Counter()
   for e in ops:
     kinds[re.sub(r"\.\d+$", "", e["name"])] += e.get("dur", 0)
@@ -92,8 +101,9 @@ def print_profile(directory: str) -> None:
 
 def _run(cmd: list[str]) -> dict:
   # CPU only: libtpu (installed with the tpu extra) would otherwise be probed.
-  out = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  out = subprocess.run(cmd, capture_output=True, text=True, check=False, env={
+      **os.environ, "JAX_PLATFORMS": "cpu"
+  })
   if out.returncode:
     raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -112,20 +122,30 @@ def drive() -> None:
   for preset in _PRESETS.value:
     results = {"paper": []} | {d: [] for d in _DTYPES.value}
     for _ in range(_REPEATS.value):
-      results["paper"].append(_run(
-          [_PAPER_PYTHON.value, os.path.join(here, "paper_code_steps.py"), f"--repo={_PAPER_REPO.value}",
-           f"--model={PAPER_MODEL[preset]}", f"--steps={_STEPS.value}"]))
+      results["paper"].append(
+          _run([
+              _PAPER_PYTHON.value,
+              os.path.join(here, "paper_code_steps.py"), f"--repo={_PAPER_REPO.value}",
+              f"--model={PAPER_MODEL[preset]}", f"--steps={_STEPS.value}"
+          ]))
       for dtype in _DTYPES.value:
-        results[dtype].append(_run(
-            [sys.executable, os.path.abspath(__file__), "--worker", f"--presets={preset}",
-             f"--dtypes={dtype}", f"--steps={_STEPS.value}"]))
+        results[dtype].append(
+            _run([
+                sys.executable,
+                os.path.abspath(__file__), "--worker", f"--presets={preset}", f"--dtypes={dtype}",
+                f"--steps={_STEPS.value}"
+            ]))
     paper = max(r["steps_per_s"] for r in results["paper"])
     for name, runs in results.items():
       rates = [r["steps_per_s"] for r in runs]
-      row = {"preset": preset, "code": "paper" if name == "paper" else f"ours {name}",
-             "best_steps_per_s": max(rates), "median_steps_per_s": statistics.median(rates),
-             "min_cpu_s_per_step": min(r["cpu_s_per_step"] for r in runs),
-             "ratio_best_to_paper_best": max(rates) / paper}
+      row = {
+          "preset": preset,
+          "code": "paper" if name == "paper" else f"ours {name}",
+          "best_steps_per_s": max(rates),
+          "median_steps_per_s": statistics.median(rates),
+          "min_cpu_s_per_step": min(r["cpu_s_per_step"] for r in runs),
+          "ratio_best_to_paper_best": max(rates) / paper
+      }
       rows.append(row)
       print(json.dumps(row), flush=True)
   print(f"after: {_uptime()}", flush=True)

@@ -20,7 +20,8 @@ import sys
 import time
 
 GUARDED = {
-    "import tensorflow as tf\n": "try:\n    import tensorflow as tf\nexcept ImportError:\n    tf = None\n",
+    "import tensorflow as tf\n":
+        "try:\n    import tensorflow as tf\nexcept ImportError:\n    tf = None\n",
     "from hyla.data.wiki import create_wikitext_datasets\n":
         "try:\n    from hyla.data.wiki import create_wikitext_datasets\nexcept ImportError:\n    pass\n",
 }
@@ -49,8 +50,10 @@ def main():
   args = parser.parse_args()
   run = guarded_run_module(pathlib.Path(args.repo))
   config_file = "logic.py" if args.task.startswith("logic") else "raven.py"
-  run.FLAGS([f"{args.repo}/run.py", f"--config={args.repo}/configs/{config_file}:{args.task};{args.model}",
-             "--logger=standard"])
+  run.FLAGS([
+      f"{args.repo}/run.py", f"--config={args.repo}/configs/{config_file}:{args.task};{args.model}",
+      "--logger=standard"
+  ])
   import jax  # noqa: PLC0415  (after its flags are parsed, as in its run.py)
 
   config = run.FLAGS.config
@@ -68,9 +71,16 @@ def main():
     state, metrics = exp.train_step(state, next(batches))
   jax.block_until_ready(metrics)
   seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-  print(json.dumps({"code": "paper", "model": args.model, "steps": args.steps,
-                    "steps_per_s": args.steps / seconds, "cpu_s_per_step": cpu / args.steps,
-                    "loss": float(metrics["loss"]), "jax": jax.__version__}))
+  print(
+      json.dumps({
+          "code": "paper",
+          "model": args.model,
+          "steps": args.steps,
+          "steps_per_s": args.steps / seconds,
+          "cpu_s_per_step": cpu / args.steps,
+          "loss": float(metrics["loss"]),
+          "jax": jax.__version__
+      }))
 
 
 if __name__ == "__main__":

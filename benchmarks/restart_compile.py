@@ -31,16 +31,19 @@ flags.DEFINE_string("out", "", "Write the markdown report here too.")
 MODELS = {
     "tiny (D=128, L=2)": [],
     "c4_50m width and depth (D=512, L=6)": [
-        "--config.model.D=512", "--config.model.H=8", "--config.model.L=6",
-        "--config.model.F=2048", "--config.data.seq_len=256", "--config.train.batch_size=8"],
+        "--config.model.D=512", "--config.model.H=8", "--config.model.L=6", "--config.model.F=2048",
+        "--config.data.seq_len=256", "--config.train.batch_size=8"
+    ],
 }
 
 
 def train(workdir: str, cache: str, steps: int, overrides: list[str]) -> list[str]:
-  return [sys.executable, "-m", "lm.train", "--config=configs/tiny.py", f"--workdir={workdir}",
-          f"--config.data.dir={FLAGS.scratch}/data", f"--config.compilation_cache={cache}",
-          f"--config.train.steps={steps}", "--config.train.log_every_steps=1",
-          "--config.checkpoint.every_steps=2", "--config.eval.every_steps=1000", *overrides]
+  return [
+      sys.executable, "-m", "lm.train", "--config=configs/tiny.py", f"--workdir={workdir}",
+      f"--config.data.dir={FLAGS.scratch}/data", f"--config.compilation_cache={cache}",
+      f"--config.train.steps={steps}", "--config.train.log_every_steps=1",
+      "--config.checkpoint.every_steps=2", "--config.eval.every_steps=1000", *overrides
+  ]
 
 
 def time_to_first_step(cmd: list[str]) -> float:
@@ -79,8 +82,9 @@ def measure(name: str, overrides: list[str]) -> dict[str, list[float]]:
 def main(argv):
   del argv
   load = os.getloadavg()
-  rows = ["| model | without cache: min / median | with cache: min / median | median ratio |",
-          "|---|---|---|---|"]
+  rows = [
+      "| model | without cache: min / median | with cache: min / median | median ratio |", "|---|---|---|---|"
+  ]
   for name, overrides in MODELS.items():
     t = measure(name, overrides)
     off, on = t["without cache"], t["with cache"]
@@ -90,7 +94,8 @@ def main(argv):
       f"Time from process start to the first step of a restarted run ({FLAGS.repeats} restarts per "
       f"variant, alternating), on {os.cpu_count()} CPU cores; load average "
       f"{load[0]:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (other work shared the "
-      "host).", "", *rows, ""])
+      "host).", "", *rows, ""
+  ])
   print(report)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:

@@ -6,46 +6,54 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.task = "lm"               # a name in lm.tasks.TASKS
+  c.task = "lm"  # a name in lm.tasks.TASKS
   # Fields of lm.model.ModelConfig; `attention` is a name in lm.attention.PRESETS, or one per layer /
   # a repeating pattern ("hyla,hyla,hyla,softmax"; lm.model.layer_presets).
-  c.model = ml_collections.ConfigDict(dict(
-      V=32_000, D=512, H=8, L=6, F=2048, qkv_dim=0, attention="softmax",
-      attention_impl="auto", attention_dropout=0.0, causal=True, positions="rotary",
-      max_len=2048, rope_base=10_000.0, relative_buckets=32, relative_max_distance=128,
-      relative_bidirectional=True, relative_bias_per_layer=False,
-      tied_embeddings=False, input_dim=0, dtype="float32", remat=False))
-  c.data = ml_collections.ConfigDict(dict(
-      source="shakespeare",   # the embedded corpus, prepared into `dir` on first use
-      dir="data/shakespeare",
-      tokenizer="",           # a SentencePiece .model; empty: the one trained in `dir` for model.V
-      seq_len=512,
-      shards=0,               # logical data shards; 0: one per process (see lm/train.py HostData)
-      packing_bins=64,
-      threads=2,
-  ))
-  c.train = ml_collections.ConfigDict(dict(
-      steps=10_000,
-      batch_size=256,         # global, in rows of seq_len tokens
-      lr=1.6e-3, warmup_steps=1000, end_lr_frac=0.1,
-      schedule="cosine",      # or "cosine_paper_code" (lm/optimizer.py)
-      b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1, grad_clip=1.0,  # grad_clip 0: none
-      microbatches=1,         # gradient accumulation: the batch is processed in this many parts
-      on_nonfinite="stop",    # or "skip": a non-finite loss/gradient leaves the state unchanged
-      log_every_steps=50,
-  ))
+  c.model = ml_collections.ConfigDict(
+      dict(V=32_000, D=512, H=8, L=6, F=2048, qkv_dim=0, attention="softmax", attention_impl="auto",
+           attention_dropout=0.0, causal=True, positions="rotary", max_len=2048, rope_base=10_000.0,
+           relative_buckets=32, relative_max_distance=128, relative_bidirectional=True,
+           relative_bias_per_layer=False, tied_embeddings=False, input_dim=0, dtype="float32", remat=False))
+  c.data = ml_collections.ConfigDict(
+      dict(
+          source="shakespeare",  # the embedded corpus, prepared into `dir` on first use
+          dir="data/shakespeare",
+          tokenizer="",  # a SentencePiece .model; empty: the one trained in `dir` for model.V
+          seq_len=512,
+          shards=0,  # logical data shards; 0: one per process (see lm/train.py HostData)
+          packing_bins=64,
+          threads=2,
+      ))
+  c.train = ml_collections.ConfigDict(
+      dict(
+          steps=10_000,
+          batch_size=256,  # global, in rows of seq_len tokens
+          lr=1.6e-3,
+          warmup_steps=1000,
+          end_lr_frac=0.1,
+          schedule="cosine",  # or "cosine_paper_code" (lm/optimizer.py)
+          b1=0.9,
+          b2=0.98,
+          eps=1e-9,
+          weight_decay=0.1,
+          grad_clip=1.0,  # grad_clip 0: none
+          microbatches=1,  # gradient accumulation: the batch is processed in this many parts
+          on_nonfinite="stop",  # or "skip": a non-finite loss/gradient leaves the state unchanged
+          log_every_steps=50,
+      ))
   # Device mesh: the product must equal the device count; -1 takes what the others leave.
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
-  c.checkpoint = ml_collections.ConfigDict(dict(
-      every_steps=1000,
-      keep=3,                 # the latest K checkpoints
-      keep_every=0,           # also keep every step divisible by this (0: none)
-      use_async=True,         # write in the background while training continues
-      skip_damaged=False,     # resume from the newest readable step, moving damaged ones aside
-  ))
+  c.checkpoint = ml_collections.ConfigDict(
+      dict(
+          every_steps=1000,
+          keep=3,  # the latest K checkpoints
+          keep_every=0,  # also keep every step divisible by this (0: none)
+          use_async=True,  # write in the background while training continues
+          skip_damaged=False,  # resume from the newest readable step, moving damaged ones aside
+      ))
   c.eval = ml_collections.ConfigDict(dict(
       every_steps=1000,
-      batch_size=64,          # global rows per evaluation step
+      batch_size=64,  # global rows per evaluation step
   ))
   # JAX's persistent compilation cache, so that a restarted run skips compiling: "" keeps it in
   # WORKDIR/compilation_cache; "none" turns it off; any other value is its directory (gs:// too).
@@ -56,6 +64,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.watchdog = ml_collections.ConfigDict(dict(step_secs=1800.0, first_step_secs=7200.0))
   # The run log (metrics/ and TensorBoard) is always written; Weights & Biases too when
   # wandb_project is set (the `wandb` extra). wandb_dir: its local files ("": the current directory).
-  c.metrics = ml_collections.ConfigDict(dict(
-      wandb_project="", wandb_entity="", wandb_mode="online", wandb_dir=""))
+  c.metrics = ml_collections.ConfigDict(
+      dict(wandb_project="", wandb_entity="", wandb_mode="online", wandb_dir=""))
   return c

@@ -22,10 +22,10 @@ def get_config():
   c = base.get_config()
   # 6 layers, width 512, 8 heads of 64, MLP 2048, GELU, rotary, pre-norm, untied output:
   # 51,655,680 parameters (lm-train prints the count at start).
-  c.model.update(V=32_000, D=512, H=8, L=6, F=2048, positions="rotary", tied_embeddings=False,
-                 max_len=512, dtype="bfloat16")
-  c.data.update(source="c4", dir="gs://BUCKET/tensorflow_datasets", tokenizer=T5_VOCAB,
-                seq_len=512, threads=8)
+  c.model.update(V=32_000, D=512, H=8, L=6, F=2048, positions="rotary", tied_embeddings=False, max_len=512,
+                 dtype="bfloat16")
+  c.data.update(source="c4", dir="gs://BUCKET/tensorflow_datasets", tokenizer=T5_VOCAB, seq_len=512,
+                threads=8)
   # AdamW, 1000 warmup steps, cosine decay to 0.1x the peak (NanoDO's defaults).
   c.train.update(batch_size=256, lr=1.6e-3, warmup_steps=1000, end_lr_frac=0.1, log_every_steps=100)
   # The step count follows from the token budget: 130e9 / (256 x 512) = 991,821 steps.

@@ -15,15 +15,16 @@ def get_config():
   c.task = "fuzzy_logic"
   num_vars = ml_collections.FieldReference(4)
   seq_len = ml_collections.FieldReference(32)
-  c.data = ml_collections.ConfigDict(dict(
-      num_vars=num_vars,      # L
-      num_terms=2,            # K
-      seq_len=seq_len,        # N examples per sequence
-      frac_test=0.7,          # held-out combinations of known terms (compositional OOD)
-      frac_unknown=0.25,
-      split_seed=-1,          # which tasks are held out; -1: drawn from the run's seed
-      shards=0,
-  ))
+  c.data = ml_collections.ConfigDict(
+      dict(
+          num_vars=num_vars,  # L
+          num_terms=2,  # K
+          seq_len=seq_len,  # N examples per sequence
+          frac_test=0.7,  # held-out combinations of known terms (compositional OOD)
+          frac_unknown=0.25,
+          split_seed=-1,  # which tasks are held out; -1: drawn from the run's seed
+          shards=0,
+      ))
   c.model.update(V=1, D=128, H=8, L=2, F=256, qkv_dim=16, causal=False, attention_dropout=0.1,
                  positions="relative_bias", relative_bidirectional=False, relative_bias_per_layer=True)
   # The paper's code sets buckets = max distance = sequence length. Two derived references: each

@@ -17,17 +17,18 @@ def get_config():
   c.task = "sraven"
   c.width = ml_collections.FieldReference(1)  # the paper's width multiplier (1, 2, 4)
   width = c.get_ref("width")  # a reference, so that --config.width=N reaches the fields below
-  c.model.update(V=sraven.NUM_VALUES, input_dim=sraven.NUM_VALUES, L=4, causal=False,
-                 attention_dropout=0.1, positions="relative_bias", relative_buckets=sraven.SEQ_LEN,
+  c.model.update(V=sraven.NUM_VALUES, input_dim=sraven.NUM_VALUES, L=4, causal=False, attention_dropout=0.1,
+                 positions="relative_bias", relative_buckets=sraven.SEQ_LEN,
                  relative_max_distance=sraven.SEQ_LEN, relative_bidirectional=False,
                  relative_bias_per_layer=True)
   c.model.D, c.model.H, c.model.qkv_dim, c.model.F = width * 128, width * 16, width * 64, width * 256
-  c.data = ml_collections.ConfigDict(dict(
-      split_seed=-1,          # which 82 of the 330 tasks are held out; -1: drawn from the run's seed
-      frac_ood=0.25,
-      permute_features=True,  # per-column feature permutation ("finding correspondences")
-      shards=0,               # logical data shards; 0: one per process (see lm/train.py HostData)
-  ))
+  c.data = ml_collections.ConfigDict(
+      dict(
+          split_seed=-1,  # which 82 of the 330 tasks are held out; -1: drawn from the run's seed
+          frac_ood=0.25,
+          permute_features=True,  # per-column feature permutation ("finding correspondences")
+          shards=0,  # logical data shards; 0: one per process (see lm/train.py HostData)
+      ))
   instances = ml_collections.FieldReference(20_000_000)  # the paper's main budget (10M-40M)
   batch_size = ml_collections.FieldReference(128)
   c.train.update(batch_size=batch_size, lr=1e-3, warmup_steps=1000, schedule="cosine_paper_code",

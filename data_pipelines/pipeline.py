@@ -12,7 +12,7 @@ Batches are host-local numpy dicts of [B, T] arrays: inputs, targets, weights, p
 """
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import grain
 import numpy as np
@@ -52,8 +52,7 @@ class Windows(grain.experimental.FlatMapTransform):
 
   def flat_map(self, group: list[np.ndarray]) -> Sequence[dict[str, np.ndarray]]:
     step = self.length - 1
-    return [{"inputs": ids[s:s + self.length]} for ids in group
-            for s in range(0, max(len(ids) - 1, 1), step)]
+    return [{"inputs": ids[s:s + self.length]} for ids in group for s in range(0, max(len(ids) - 1, 1), step)]
 
 
 def to_model_batch(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -77,9 +76,9 @@ def _tokenized(ds: grain.MapDataset, documents: Documents, tokenizer: Tokenizer,
 def _packed(ds: grain.IterDataset, seq_len: int, *, seed: int, shuffle: bool,
             packing_bins: int) -> grain.IterDataset:
   ds = grain.experimental.FlatMapIterDataset(ds, Windows(seq_len + 1))
-  return grain.experimental.FirstFitPackIterDataset(
-      ds, length_struct={"inputs": seq_len + 1}, num_packing_bins=packing_bins, seed=seed,
-      shuffle_bins=shuffle)
+  return grain.experimental.FirstFitPackIterDataset(ds, length_struct={"inputs": seq_len + 1},
+                                                    num_packing_bins=packing_bins, seed=seed,
+                                                    shuffle_bins=shuffle)
 
 
 def epochs(documents: Documents, *, seed: int, shard: Shard = Shard()) -> grain.MapDataset:
@@ -89,9 +88,8 @@ def epochs(documents: Documents, *, seed: int, shard: Shard = Shard()) -> grain.
   return ds[shard.index::shard.count].shuffle(seed=seed).repeat(None)
 
 
-def train_dataset(documents: Documents, tokenizer: Tokenizer, *, seq_len: int, batch_size: int,
-                  seed: int, shard: Shard = Shard(), packing_bins: int = 64,
-                  threads: int = 2) -> grain.IterDataset:
+def train_dataset(documents: Documents, tokenizer: Tokenizer, *, seq_len: int, batch_size: int, seed: int,
+                  shard: Shard = Shard(), packing_bins: int = 64, threads: int = 2) -> grain.IterDataset:
   """Endless shuffled batches [batch_size, seq_len] of this shard; reshuffled every epoch."""
   ds = _tokenized(epochs(documents, seed=seed, shard=shard), documents, tokenizer, threads)
   ds = _packed(ds, seq_len, seed=seed, shuffle=True, packing_bins=packing_bins)
@@ -104,16 +102,14 @@ def _pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
 
 
 def eval_dataset(documents: Documents, tokenizer: Tokenizer, *, seq_len: int, batch_size: int,
-                 shard: Shard = Shard(), packing_bins: int = 64,
-                 threads: int = 2) -> grain.IterDataset:
+                 shard: Shard = Shard(), packing_bins: int = 64, threads: int = 2) -> grain.IterDataset:
   """This shard's documents, in order, each target exactly once; the last batch padded with
   zero-weight rows so every batch has the same shape. Rows are packed from this shard's documents
   only, and the packer flushes its bins at the end: nothing is packed across the end of the split."""
   ds = grain.MapDataset.source(documents.source)[shard.index::shard.count]
   ds = _tokenized(ds, documents, tokenizer, threads)
   ds = _packed(ds, seq_len, seed=0, shuffle=False, packing_bins=packing_bins)
-  return ds.batch(batch_size, drop_remainder=False).map(
-      lambda b: to_model_batch(_pad_rows(b, batch_size)))
+  return ds.batch(batch_size, drop_remainder=False).map(lambda b: to_model_batch(_pad_rows(b, batch_size)))
 
 
 def split_bytes(documents: Documents) -> int:
@@ -126,12 +122,13 @@ def split_bytes(documents: Documents) -> int:
 def unigram_perplexity(train: Documents, validation: Documents, tokenizer: Tokenizer) -> float:
   """Perplexity on the eval targets (every token but the first, EOS included) of token frequencies
   counted on the train split, add-one smoothed: the floor a language model must beat."""
+
   def counts(documents):
     total = np.zeros(tokenizer.vocab_size, np.int64)
     for ids in Tokenize(documents, tokenizer).map(list(documents.source)):
       total += np.bincount(ids[1:], minlength=tokenizer.vocab_size)
     return total
+
   train_v, eval_v = counts(train), counts(validation)
   logp_v = np.log((train_v + 1) / (train_v.sum() + tokenizer.vocab_size))
   return float(np.exp(-(eval_v * logp_v).sum() / eval_v.sum()))
-

@@ -18,7 +18,7 @@ import json
 import multiprocessing
 import os
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import tqdm
 from etils import epath
@@ -68,8 +68,7 @@ def documents(path: epath.Path) -> Iterator[str]:
     where = f", line {n}" if n else ""
     raise ValueError(f"{path}{where}: not UTF-8 text (byte {e.object[e.start]:#x} at {e.start})") from e
   except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-    raise ValueError(f"{path}: not a complete gzip file ({e or 'it ends early'}); download it again"
-                     ) from e
+    raise ValueError(f"{path}: not a complete gzip file ({e or 'it ends early'}); download it again") from e
 
 
 def _stats_of(texts: Iterator[str], stats: dict) -> Iterator[str]:
@@ -93,8 +92,13 @@ def convert(job: tuple[str, str, str], tokenizer: str) -> dict:
   if stats_file.exists():
     return {"split": split, "skipped": True, **json.loads(stats_file.read_text())}
   # What the shard was made from: it counts as done for the same input only (_check_made_from).
-  stats = {"source": os.fspath(source), "source_bytes": source.stat().length, "documents": 0,
-           "bytes": 0, "tokens": 0}
+  stats = {
+      "source": os.fspath(source),
+      "source_bytes": source.stat().length,
+      "documents": 0,
+      "bytes": 0,
+      "tokens": 0
+  }
   texts = _stats_of(documents(source), stats)
   if tokenizer:
     records.write_shard(shard, _tokenized(texts, _worker_tokenizer(tokenizer), stats), records.to_ids)
@@ -111,8 +115,8 @@ def _check_made_from(jobs: list[tuple[str, str, str]]) -> None:
     if not stats_file.exists():
       continue
     saved, size = json.loads(stats_file.read_text()), epath.Path(source).stat().length
-    if (epath.Path(saved["source"]).name != epath.Path(source).name
-        or saved.get("source_bytes", size) != size):
+    if (epath.Path(saved["source"]).name != epath.Path(source).name or
+        saved.get("source_bytes", size) != size):
       raise ValueError(
           f"{stats_file.name.removesuffix('.json')} in {stats_file.parent.parent} was made from "
           f"{saved['source']} ({saved.get('source_bytes', '?')} bytes), not from {source} ({size} "
@@ -125,13 +129,11 @@ def _worker_tokenizer(path: str) -> tokenizer_lib.Tokenizer:
   return tokenizer_lib.Tokenizer(path)
 
 
-def _check_output(output: epath.Path, tok: tokenizer_lib.Tokenizer | None,
-                  counts: dict[str, int]) -> None:
+def _check_output(output: epath.Path, tok: tokenizer_lib.Tokenizer | None, counts: dict[str, int]) -> None:
   """Refuses to mix shards of another preparation (other inputs, format or tokenizer) into output."""
   stamp = output / records.TOKENIZED_BY
   for split, n in counts.items():
-    others = [p.name for p in output.glob(f"{split}.array_record-*")
-              if not p.name.endswith(f"-of-{n:05d}")]
+    others = [p.name for p in output.glob(f"{split}.array_record-*") if not p.name.endswith(f"-of-{n:05d}")]
     if others:
       raise ValueError(f"{output} holds {others[0]}, from a preparation with another number of "
                        f"'{split}' files; use an empty --output directory")
@@ -158,14 +160,21 @@ def prepare(splits: dict[str, list[epath.Path]], output: epath.Path, *, tokenize
   if tok is not None:
     storage.write_bytes(output / records.TOKENIZED_BY, json.dumps(tok.fingerprint(), indent=1).encode())
   jobs = [(os.fspath(f), os.fspath(output / records.shard_name(split, i, len(files))), split)
-          for split, files in splits.items() for i, f in enumerate(files)]
+          for split, files in splits.items()
+          for i, f in enumerate(files)]
   _check_made_from(jobs)
-  totals = {s: {"files": len(f), "documents": 0, "bytes": 0, "tokens": 0, "skipped": 0}
-            for s, f in splits.items()}
+  totals = {
+      s: {
+          "files": len(f),
+          "documents": 0,
+          "bytes": 0,
+          "tokens": 0,
+          "skipped": 0
+      } for s, f in splits.items()
+  }
   work = functools.partial(convert, tokenizer=tokenizer if pretokenize else "")
   with multiprocessing.get_context("spawn").Pool(workers) as pool:
-    bar = tqdm.tqdm(pool.imap_unordered(work, jobs), total=len(jobs), unit="file",
-                    disable=not progress)
+    bar = tqdm.tqdm(pool.imap_unordered(work, jobs), total=len(jobs), unit="file", disable=not progress)
     for done in bar:
       if not done["documents"]:
         bar.write(f"warning: {done['source']} holds no documents")

@@ -9,7 +9,8 @@ Shards that `lm-prepare` wrote have a stats file (documents, UTF-8 bytes, tokens
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import grain
 import numpy as np
@@ -55,8 +56,8 @@ def to_ids(ids: np.ndarray) -> bytes:
   return np.asarray(ids, "<i4").tobytes()
 
 
-def write_shard(path: str | os.PathLike, records: Iterable[Any],
-                encode: Callable[[Any], bytes] = to_json) -> int:
+def write_shard(path: str | os.PathLike, records: Iterable[Any], encode: Callable[[Any],
+                                                                                  bytes] = to_json) -> int:
   """Writes records to one ArrayRecord file whole (a crash never leaves a partial shard), local or
   on an object store (ArrayRecord writes local files only: the shard is uploaded when complete)."""
   n = 0

@@ -50,8 +50,7 @@ def _task_split(split_seed: int, frac_ood: float) -> tuple[np.ndarray, np.ndarra
   num_tasks = len(all_tasks())
   num_ood = int(num_tasks * frac_ood)
   if not 0 < num_ood < num_tasks:
-    raise ValueError(
-        f"frac_ood={frac_ood} holds out {num_ood} of {num_tasks} tasks; choose it in (0, 1)")
+    raise ValueError(f"frac_ood={frac_ood} holds out {num_ood} of {num_tasks} tasks; choose it in (0, 1)")
   perm = np.random.default_rng(split_seed).permutation(num_tasks)
   train, ood = np.sort(perm[num_ood:]), np.sort(perm[:num_ood])
   train.setflags(write=False)
@@ -82,9 +81,7 @@ def _arrangements(n: int, k: int) -> np.ndarray:
   return table
 
 
-def _random_arrangements(
-    rng: np.random.Generator, shape: tuple[int, ...], n: int, k: int
-) -> np.ndarray:
+def _random_arrangements(rng: np.random.Generator, shape: tuple[int, ...], n: int, k: int) -> np.ndarray:
   """Uniform ordered choices [*shape, k] of k distinct values from range(n); k=n: permutations.
 
   A table lookup: argsort of random keys costs several times more on such short rows.
@@ -187,6 +184,6 @@ def same_feature_positions(perm_bcf: np.ndarray, slot: int) -> np.ndarray:
   feature_b = perm_bcf[:, -1, slot]
   # argsort inverts each column's permutation: slot_bcf[b, c, f] is feature f's slot in column c.
   slot_bcf = np.argsort(perm_bcf, axis=-1)
-  slot_b2 = np.take_along_axis(slot_bcf[:, : GRID - 1], feature_b[:, None, None], axis=-1)[..., 0]
+  slot_b2 = np.take_along_axis(slot_bcf[:, :GRID - 1], feature_b[:, None, None], axis=-1)[..., 0]
   first_panel = (GRID - 1) * GRID  # panel index of the last row's first column
   return (first_panel + np.arange(GRID - 1)) * NUM_FEATURES + slot_b2

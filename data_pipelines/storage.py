@@ -11,7 +11,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 from etils import epath
 

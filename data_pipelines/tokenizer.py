@@ -9,7 +9,7 @@ import hashlib
 import os
 import pathlib
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 import grain
 import numpy as np
@@ -39,11 +39,10 @@ def train(paths: list[str], model: epath.Path, vocab_size: int) -> None:
   # SentencePiece writes local files only: train into a temporary directory, then write the model.
   with tempfile.TemporaryDirectory(prefix="spm-") as tmp_dir:
     prefix = os.path.join(tmp_dir, "model")
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=_lines(paths), model_prefix=prefix, model_type="bpe",
-        vocab_size=vocab_size, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
-        byte_fallback=True, character_coverage=1.0, num_threads=os.cpu_count() or 1,
-        minloglevel=2)
+    spm.SentencePieceTrainer.train(sentence_iterator=_lines(paths), model_prefix=prefix, model_type="bpe",
+                                   vocab_size=vocab_size, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+                                   byte_fallback=True, character_coverage=1.0, num_threads=os.cpu_count() or
+                                   1, minloglevel=2)
     storage.write_bytes(model, pathlib.Path(f"{prefix}.model").read_bytes())
 
 
@@ -74,13 +73,19 @@ class Tokenizer:
     read threads already tokenize groups in parallel, and SentencePiece's own threads gained
     nothing on top of them (measured on the text of benchmarks/data_throughput.py)."""
     prefix = [self.bos] if self.bos >= 0 else []
-    return [np.asarray(prefix + ids + [self.eos], dtype=np.int32)
-            for ids in self.sp.encode(texts, num_threads=1)]
+    return [
+        np.asarray(prefix + ids + [self.eos], dtype=np.int32) for ids in self.sp.encode(texts, num_threads=1)
+    ]
 
   def fingerprint(self) -> dict:
     """What pre-tokenized data records of the tokenizer that made it."""
-    return {"model": os.fspath(self.path), "sha256": self.sha256, "vocab_size": self.vocab_size,
-            "bos": self.bos, "eos": self.eos}
+    return {
+        "model": os.fspath(self.path),
+        "sha256": self.sha256,
+        "vocab_size": self.vocab_size,
+        "bos": self.bos,
+        "eos": self.eos
+    }
 
   def decode(self, ids) -> str:
     return self.sp.decode([int(i) for i in ids])

@@ -25,8 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 _OUT = flags.DEFINE_string("out", None, "PNG to write the perplexity plot to.")
 _TABLE = flags.DEFINE_string("table", None, "Also write the markdown table to this file.")
 
-COLUMNS = ("run", "attention", "parameters", "tokens seen", "training FLOPs", "wall-clock",
-           "validation loss", "perplexity", "bits per byte", "training tokens/s")
+COLUMNS = ("run", "attention", "parameters", "tokens seen", "training FLOPs", "wall-clock", "validation loss",
+           "perplexity", "bits per byte", "training tokens/s")
 
 
 def _records(workdir: str) -> list[dict]:
@@ -68,12 +68,17 @@ def read_run(workdir: str, split: str = "validation") -> dict:
   flops_per_token = None
   if config and runs:
     seq_len = runs[-1]["tokens_per_step"] // config["train"]["batch_size"]
-    flops_per_token = flops.flops_per_token(ModelConfig.from_dict(config["model"]),
-                                            runs[-1]["num_params"], seq_len)
-  return {"run": epath.Path(workdir).name, "attention": runs[-1]["attention"] if runs else "?",
-          "num_params": runs[-1]["num_params"] if runs else None, "evals": evals, "config": config,
-          "flops_per_token": flops_per_token,
-          "tokens_per_sec": float(np.mean(rates)) if rates else None}
+    flops_per_token = flops.flops_per_token(ModelConfig.from_dict(config["model"]), runs[-1]["num_params"],
+                                            seq_len)
+  return {
+      "run": epath.Path(workdir).name,
+      "attention": runs[-1]["attention"] if runs else "?",
+      "num_params": runs[-1]["num_params"] if runs else None,
+      "evals": evals,
+      "config": config,
+      "flops_per_token": flops_per_token,
+      "tokens_per_sec": float(np.mean(rates)) if rates else None
+  }
 
 
 def table(runs: list[dict]) -> str:
@@ -84,9 +89,9 @@ def table(runs: list[dict]) -> str:
     last = r["evals"][-1]
     train_flops = r["flops_per_token"] and r["flops_per_token"] * last["tokens_seen"]
     cells = (r["run"], r["attention"], fmt(r["num_params"], ","), fmt(last["tokens_seen"], ","),
-             fmt(train_flops, ".3g"), fmt(last["wall_seconds"], ",.0f") + " s",
-             fmt(last["loss"], ".4f"), fmt(last["perplexity"], ".2f"), fmt(last.get("bits_per_byte"), ".3f"),
-             fmt(r["tokens_per_sec"], ",.0f"))
+             fmt(train_flops, ".3g"), fmt(last["wall_seconds"], ",.0f") + " s", fmt(last["loss"], ".4f"),
+             fmt(last["perplexity"], ".2f"), fmt(last.get("bits_per_byte"),
+                                                 ".3f"), fmt(r["tokens_per_sec"], ",.0f"))
     rows.append("| " + " | ".join(cells) + " |")
   return "\n".join(rows) + "\n"
 
@@ -99,8 +104,8 @@ def seed_groups(runs: list[dict]) -> dict[str, list[dict]]:
     config.pop("seed", None)
     keys.append(json.dumps(config, sort_keys=True))
   distinct = [json.loads(k) for k, r in dict(zip(keys, runs)).items() if r["config"]]
-  varying = sorted({k for a in distinct for b in distinct for k, _, _ in checkpointing.differences(a, b)}
-                   - {"model.attention", "run"})
+  varying = sorted({k for a in distinct for b in distinct for k, _, _ in checkpointing.differences(a, b)} -
+                   {"model.attention", "run"})
   groups = {}
   for r, key in zip(runs, keys):
     config = json.loads(key)
@@ -129,8 +134,8 @@ def _band(runs: list[dict], x_of, y_of) -> tuple[np.ndarray, np.ndarray, np.ndar
   return np.asarray(xs), np.asarray(ys), np.asarray(ses)
 
 
-AXES = (("training tokens", lambda r, e: e["tokens_seen"]),
-        ("training FLOPs", lambda r, e: e["tokens_seen"] * (r["flops_per_token"] or np.nan)),
+AXES = (("training tokens", lambda r, e: e["tokens_seen"]), ("training FLOPs", lambda r, e: e["tokens_seen"] *
+                                                             (r["flops_per_token"] or np.nan)),
         ("wall-clock seconds", lambda r, e: e["wall_seconds"]))
 
 
@@ -188,8 +193,7 @@ def plot_positions(runs: list[dict], out: str) -> bool:
   return True
 
 
-def compare(workdirs: list[str], out: str, table_path: str | None = None,
-            split: str = "validation") -> str:
+def compare(workdirs: list[str], out: str, table_path: str | None = None, split: str = "validation") -> str:
   """Reads every run (all problems reported at once), writes the plots (and table); returns the table."""
   runs, problems = [], []
   for w in workdirs:
@@ -214,8 +218,8 @@ def main(argv):
     print(compare(argv[1:], _OUT.value, _TABLE.value), end="")
   except ValueError as e:
     raise SystemExit(f"lm-compare: {e}") from e
-  print(f"plot: {_OUT.value}" + (f" and {positions_path(_OUT.value)}"
-                                 if positions_path(_OUT.value).exists() else ""))
+  print(f"plot: {_OUT.value}" +
+        (f" and {positions_path(_OUT.value)}" if positions_path(_OUT.value).exists() else ""))
 
 
 def run():

@@ -16,6 +16,7 @@ from etils import epath
 from lm import checkpointing, cli
 from lm.experiment import Experiment
 
+
 def result_path(workdir: str, step: int) -> epath.Path:
   return epath.Path(workdir) / "eval" / f"step_{step}.json"
 
@@ -30,10 +31,14 @@ def evaluate(workdir: str, step: int | None = None, split: str = "validation") -
     raise ValueError(f"task {config.task!r} has no evaluation set {split!r}; choose one of: "
                      f"{', '.join(sets)}")
   _, params = checkpointing.load(workdir, step, exp.abstract_sharded_state())
-  result = {"step": step, "split": split, "attention": exp.model_cfg.attention,
-            "num_params": exp.num_params,
-            "tokens_seen": step * config.train.batch_size * exp.task.seq_len,
-            **exp.evaluate(params, sets[split]())}
+  result = {
+      "step": step,
+      "split": split,
+      "attention": exp.model_cfg.attention,
+      "num_params": exp.num_params,
+      "tokens_seen": step * config.train.batch_size * exp.task.seq_len,
+      **exp.evaluate(params, sets[split]())
+  }
   if jax.process_index() == 0:
     path = result_path(workdir, step)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,10 +23,11 @@ def table(workdirs: list[str]) -> str:
       raise ValueError(f"{workdir} has no goodput records yet (lm-train writes them with each "
                        "progress line)")
     share = lambda c: f"{metrics.format_duration(s[c])} ({100 * s[c] / s['wall']:.1f}%)"
-    rows.append("| " + " | ".join([workdir.rstrip("/").split("/")[-1],
-                                   metrics.format_duration(s["wall"]),
-                                   *map(share, goodput.RUN_CATEGORIES), str(s["restarts"]),
-                                   f"{100 * s['goodput']:.1f}%"]) + " |")
+    rows.append("| " + " | ".join([
+        workdir.rstrip("/").split("/")[-1],
+        metrics.format_duration(s["wall"]), *map(share, goodput.RUN_CATEGORIES),
+        str(s["restarts"]), f"{100 * s['goodput']:.1f}%"
+    ]) + " |")
   return "\n".join(rows) + "\n"
 
 

@@ -68,8 +68,8 @@ def parse_config(config_file: str, overrides: list[str]) -> ml_collections.Confi
     hint = re.search(r'Did you mean "([^"]+)"', str(e))
     plain = parse_config(config_file, [])
     field = next((f for f in map(_field, overrides) if not _has(plain, f)), "?")
-    raise GridError(f"{config_file} has no field {field}" + (f" (did you mean {hint[1]}?)" if hint else "")
-                    + "; fix the --config or --grid field name") from e
+    raise GridError(f"{config_file} has no field {field}" + (f" (did you mean {hint[1]}?)" if hint else "") +
+                    "; fix the --config or --grid field name") from e
   except (flags.Error, ValueError, TypeError) as e:
     raise GridError(f"{' '.join(str(e).split())}; fix the value or the field name") from e
   if not isinstance(fv.config, ml_collections.ConfigDict):
@@ -126,9 +126,14 @@ def best_values(root: str, presets: list[str]) -> dict[str, dict[str, str]]:
   return {p: best[p]["values"] for p in presets}
 
 
-def plan(config_file: str, overrides: list[str], presets: list[str], seeds: list[str],
-         axes: dict[str, list[str]], chosen: dict[str, dict[str, str]] | None = None,
-         ) -> tuple[ml_collections.ConfigDict, list[dict]]:
+def plan(
+    config_file: str,
+    overrides: list[str],
+    presets: list[str],
+    seeds: list[str],
+    axes: dict[str, list[str]],
+    chosen: dict[str, dict[str, str]] | None = None,
+) -> tuple[ml_collections.ConfigDict, list[dict]]:
   """The grid's base config and its points, each with its lm-train arguments and parsed config:
   the product of presets, seeds and the axes' values, or (`chosen`) each preset at its own values.
   Every problem of the input is found here, before anything trains."""
@@ -151,24 +156,36 @@ def plan(config_file: str, overrides: list[str], presets: list[str], seeds: list
       raise GridError(f"{o} fixes a field the grid varies; give its values with {flag} only")
   base = parse_config(config_file, overrides)
   if base.task not in grid_summary.METRICS:
-    raise GridError(f"task {base.task!r} has no grid summary; lm-grid runs: {', '.join(grid_summary.METRICS)}")
+    raise GridError(
+        f"task {base.task!r} has no grid summary; lm-grid runs: {', '.join(grid_summary.METRICS)}")
   # Presets innermost: the first points finished already compare the variants at one seed.
   if chosen is None:
-    order = [(dict(zip(axes, combo)), seed, preset) for combo in itertools.product(*axes.values())
-             for seed in seeds for preset in presets]
+    order = [(dict(zip(axes, combo)), seed, preset)
+             for combo in itertools.product(*axes.values())
+             for seed in seeds
+             for preset in presets]
   else:
     order = [(chosen[preset], seed, preset) for seed in seeds for preset in presets]
   points = []
   for values, seed, preset in order:
-    args = [*overrides, f"--config.model.attention={preset}", f"--config.seed={seed}",
-            *(f"--config.{k}={v}" for k, v in values.items())]
-    points.append({"name": point_name(preset, seed, values), "preset": preset, "seed": seed,
-                   "values": values, "args": args, "config": parse_config(config_file, args)})
+    args = [
+        *overrides, f"--config.model.attention={preset}", f"--config.seed={seed}",
+        *(f"--config.{k}={v}" for k, v in values.items())
+    ]
+    points.append({
+        "name": point_name(preset, seed, values),
+        "preset": preset,
+        "seed": seed,
+        "values": values,
+        "args": args,
+        "config": parse_config(config_file, args)
+    })
   return base, points
 
 
 def _differences(saved: dict, current: dict) -> str:
-  return "; ".join(f"{k}: {a!r} there, {b!r} here" for k, a, b in checkpointing.differences(saved, current)[:4])
+  return "; ".join(
+      f"{k}: {a!r} there, {b!r} here" for k, a, b in checkpointing.differences(saved, current)[:4])
 
 
 def check_root(root: epath.Path, base: ml_collections.ConfigDict, axes: list[str],
@@ -202,10 +219,14 @@ def write_manifest(root: epath.Path, config_file: str, overrides: list[str], axe
                    base: ml_collections.ConfigDict) -> None:
   root.mkdir(parents=True, exist_ok=True)
   if not (root / "grid.json").exists():
-    (root / "grid.json").write_text(json.dumps(
-        {"config_file": config_file, "overrides": overrides, "axes": axes,
-         "base_config": json.loads(base.to_json())},
-        indent=1))
+    (root / "grid.json").write_text(
+        json.dumps(
+            {
+                "config_file": config_file,
+                "overrides": overrides,
+                "axes": axes,
+                "base_config": json.loads(base.to_json())
+            }, indent=1))
 
 
 def _run(module_and_args: list[str]) -> None:
@@ -251,8 +272,7 @@ def run_point(p: dict, workdir: epath.Path, config_file: str, latent_args: list[
   if config.task in COMPOSITIONAL:
     _run(["eval.latent", f"--workdir={workdir}", *latent_args])
   result = {k: p[k] for k in ("name", "preset", "seed", "values")}
-  result.update(task=config.task, step=config.train.steps,
-                train_seconds=compare.wall_seconds(str(workdir)),
+  result.update(task=config.task, step=config.train.steps, train_seconds=compare.wall_seconds(str(workdir)),
                 results=point_results(workdir, config))
   (workdir / "point.json").write_text(json.dumps(result, indent=1) + "\n")
 
@@ -266,9 +286,9 @@ def done(workdir: epath.Path, steps: int) -> dict | None:
   return None
 
 
-def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list[str],
-         axes: dict[str, list[str]], root: str, latent_args: tuple[str, ...] = (),
-         best_from: str | None = None) -> str:
+def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list[str], axes: dict[str,
+                                                                                                  list[str]],
+         root: str, latent_args: tuple[str, ...] = (), best_from: str | None = None) -> str:
   """Trains every point not yet done, then writes the summary; returns its markdown. latent_args:
   lm-latent's flags for the compositional tasks."""
   chosen = None
@@ -308,8 +328,8 @@ def main(argv):
   try:
     text = grid(config_flags.get_config_filename(FLAGS["config"]), normalize_overrides(sys.argv[1:]),
                 FLAGS.presets, FLAGS.seeds, parse_axes(FLAGS.grid), FLAGS.root,
-                [f"--examples={FLAGS.latent_examples}"]
-                + ([f"--paper_examples={FLAGS.latent_paper_examples}"] if FLAGS.latent_paper_examples else []),
+                [f"--examples={FLAGS.latent_examples}"] +
+                ([f"--paper_examples={FLAGS.latent_paper_examples}"] if FLAGS.latent_paper_examples else []),
                 FLAGS.best_from)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"lm-grid: {e}") from e
@@ -323,14 +343,18 @@ def run():
   flags.DEFINE_string("root", None, "Directory holding one workdir per grid point and the summary.")
   flags.DEFINE_list("presets", ["softmax", "linear", "hyla"], "Attention presets (lm.attention.PRESETS).")
   flags.DEFINE_list("seeds", ["0"], "Seeds; a seed fixes the initialisation and the data order.")
-  flags.DEFINE_multi_string("grid", [], "FIELD=V1,V2,...: an axis of config values, e.g. "
-                            "train.lr=1e-3,3e-3,1e-2; repeat the flag for more axes.")
-  flags.DEFINE_string("best_from", None, "Root of a finished grid: each preset runs at the config "
-                      "values that grid chose for it (its lowest mean loss), instead of --grid.")
-  flags.DEFINE_integer("latent_examples", 1024, "Instances per split for the latent-code probe "
-                       "(compositional tasks; lm-latent --examples).")
-  flags.DEFINE_integer("latent_paper_examples", 0, "Instances per set of the paper code's latent "
-                       "protocol (lm-latent --paper_examples); 0: lm-latent's default.")
+  flags.DEFINE_multi_string(
+      "grid", [], "FIELD=V1,V2,...: an axis of config values, e.g. "
+      "train.lr=1e-3,3e-3,1e-2; repeat the flag for more axes.")
+  flags.DEFINE_string(
+      "best_from", None, "Root of a finished grid: each preset runs at the config "
+      "values that grid chose for it (its lowest mean loss), instead of --grid.")
+  flags.DEFINE_integer(
+      "latent_examples", 1024, "Instances per split for the latent-code probe "
+      "(compositional tasks; lm-latent --examples).")
+  flags.DEFINE_integer(
+      "latent_paper_examples", 0, "Instances per set of the paper code's latent "
+      "protocol (lm-latent --paper_examples); 0: lm-latent's default.")
   # The names lm-sweep and lm-ablate used.
   flags.DEFINE_alias("attentions", "presets")
   flags.DEFINE_alias("workdir", "root")

@@ -71,9 +71,13 @@ def group(points: list[dict], task: str) -> list[dict]:
   out = []
   for (preset, values), mine in rows.items():
     mine.sort(key=lambda p: p["seed"])
-    row = {"preset": preset, "values": json.loads(values), "seeds": [p["seed"] for p in mine],
-           "points": [p["name"] for p in mine],
-           "select": stats.mean_stderr([_value(p, *SELECT[task]) for p in mine])}
+    row = {
+        "preset": preset,
+        "values": json.loads(values),
+        "seeds": [p["seed"] for p in mine],
+        "points": [p["name"] for p in mine],
+        "select": stats.mean_stderr([_value(p, *SELECT[task]) for p in mine])
+    }
     for label, where, key in METRICS[task]:
       row[label] = stats.mean_stderr([_value(p, where, key) for p in mine])
     out.append(row)
@@ -103,8 +107,8 @@ def paired(chosen: dict[str, dict], points: list[dict], task: str) -> list[dict]
         continue
       row = {"a": a, "b": b, "seeds": seeds}
       for label, where, key in METRICS[task]:
-        row[label] = stats.mean_stderr([_value(runs_a[s], where, key) - _value(runs_b[s], where, key)
-                                        for s in seeds])
+        row[label] = stats.mean_stderr(
+            [_value(runs_a[s], where, key) - _value(runs_b[s], where, key) for s in seeds])
       out.append(row)
   return out
 
@@ -115,33 +119,35 @@ def _resolved(mean: float, se: float | None) -> str:
   return "yes" if abs(mean) > 2 * se else "no"
 
 
-def markdown(task: str, config_file: str, axes: list[str], rows: list[dict], chosen: dict,
-             pairs: list[dict], plots: list[str]) -> str:
+def markdown(task: str, config_file: str, axes: list[str], rows: list[dict], chosen: dict, pairs: list[dict],
+             plots: list[str]) -> str:
   labels = [m[0] for m in METRICS[task]]
   fmt_values = lambda v: ", ".join(f"{k}={x}" for k, x in v.items()) or "(config as given)"
-  lines = [f"# Grid summary: {task}, {config_file}", "",
-           "Mean ± standard error over seeds (a single seed has no error bar). The best value per "
-           f"variant minimises the mean {' '.join(SELECT[task])}.", "",
-           "## Every grid point", "",
-           "| attention | values | seeds | " + " | ".join(labels) + " |",
-           "|---|---|---|" + "---|" * len(labels)]
+  lines = [
+      f"# Grid summary: {task}, {config_file}", "",
+      "Mean ± standard error over seeds (a single seed has no error bar). The best value per "
+      f"variant minimises the mean {' '.join(SELECT[task])}.", "", "## Every grid point", "",
+      "| attention | values | seeds | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)
+  ]
   for r in rows:
-    lines.append(f"| {r['preset']} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | "
-                 + " | ".join(_cell(*r[l], l) for l in labels) + " |")
-  lines += ["", f"## Each variant at its best {', '.join(axes) or 'config'}", "",
-            "| attention | best | seeds | " + " | ".join(labels) + " |",
-            "|---|---|---|" + "---|" * len(labels)]
+    lines.append(f"| {r['preset']} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | " +
+                 " | ".join(_cell(*r[l], l) for l in labels) + " |")
+  lines += [
+      "", f"## Each variant at its best {', '.join(axes) or 'config'}", "",
+      "| attention | best | seeds | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)
+  ]
   for preset, r in chosen.items():
-    lines.append(f"| {preset} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | "
-                 + " | ".join(_cell(*r[l], l) for l in labels) + " |")
+    lines.append(f"| {preset} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | " +
+                 " | ".join(_cell(*r[l], l) for l in labels) + " |")
   if pairs:
-    lines += ["", "## Paired differences (A − B, same seeds, each at its best value)", "",
-              "| A − B | seeds | " + " | ".join(f"Δ {l}" for l in labels)
-              + f" | Δ {labels[0]} resolved (\\|Δ\\| > 2 s.e.) |",
-              "|---|---|" + "---|" * (len(labels) + 1)]
+    lines += [
+        "", "## Paired differences (A − B, same seeds, each at its best value)", "", "| A − B | seeds | " +
+        " | ".join(f"Δ {l}" for l in labels) + f" | Δ {labels[0]} resolved (\\|Δ\\| > 2 s.e.) |",
+        "|---|---|" + "---|" * (len(labels) + 1)
+    ]
     for p in pairs:
-      lines.append(f"| {p['a']} − {p['b']} | {', '.join(map(str, p['seeds']))} | "
-                   + " | ".join(_cell(*p[l], l) for l in labels) + f" | {_resolved(*p[labels[0]])} |")
+      lines.append(f"| {p['a']} − {p['b']} | {', '.join(map(str, p['seeds']))} | " +
+                   " | ".join(_cell(*p[l], l) for l in labels) + f" | {_resolved(*p[labels[0]])} |")
   lines += [""] + [f"![{name}]({name})" for name in plots]
   return "\n".join(lines) + "\n"
 
@@ -160,8 +166,8 @@ def sensitivity_plot(rows: list[dict], axis: str, task: str, path: epath.Path) -
   for label, mine in lines.items():
     mine.sort(key=lambda r: xs[r["values"][axis]])
     se = [r["select"][1] or 0.0 for r in mine]
-    ax.errorbar([xs[r["values"][axis]] for r in mine], [r["select"][0] for r in mine], yerr=se,
-                marker="o", capsize=3, label=label)
+    ax.errorbar([xs[r["values"][axis]] for r in mine], [r["select"][0] for r in mine], yerr=se, marker="o",
+                capsize=3, label=label)
   positive = min(xs.values()) > 0
   ax.set(xlabel=axis, ylabel=f"final {' '.join(SELECT[task])}",
          xscale="log" if positive and max(xs.values()) / min(xs.values()) >= 10 else "linear")
@@ -191,7 +197,16 @@ def write(root: epath.Path, config_file: str, axes: list[str]) -> str:
     plots += ["curves.png"] + (["curves_positions.png"] if (root / "curves_positions.png").exists() else [])
   text = markdown(task, config_file, axes, rows, chosen, pairs, plots)
   (root / "summary.md").write_text(text)
-  (root / "summary.json").write_text(json.dumps(
-      {"task": task, "config_file": config_file, "axes": axes, "select": SELECT[task],
-       "rows": rows, "best": chosen, "paired": pairs, "points": points}, indent=1))
+  (root / "summary.json").write_text(
+      json.dumps(
+          {
+              "task": task,
+              "config_file": config_file,
+              "axes": axes,
+              "select": SELECT[task],
+              "rows": rows,
+              "best": chosen,
+              "paired": pairs,
+              "points": points
+          }, indent=1))
   return text

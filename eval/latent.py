@@ -60,8 +60,7 @@ def sraven_codes(config, codes, split: str, examples: int, slots=range(sraven.NU
   permute = d.permute_features if permute is None else permute
   for i in range(0, examples, _BATCH):
     b = sraven.sample_batch(config.seed, EVAL_STEP0 + i, min(_BATCH, examples - i), split,
-                            split_seed=split_seed(config), frac_ood=d.frac_ood,
-                            permute_features=permute)
+                            split_seed=split_seed(config), frac_ood=d.frac_ood, permute_features=permute)
     layers = codes(b["inputs_btv"])
     rows = np.arange(len(b["task_b"]))[:, None]
     per_slot = []
@@ -81,10 +80,10 @@ def fuzzy_codes(config, codes, split: str, examples: int, fixed_query: bool = Fa
   d, feats, labels = config.data, [], []
   x_query_l = np.random.default_rng(config.seed).random(d.num_vars, dtype=np.float32)
   for i in range(0, examples, _BATCH):
-    b = fuzzy_logic.sample_batch(config.seed, EVAL_STEP0 + i, min(_BATCH, examples - i), split,
-                                 num_vars=d.num_vars, num_terms=d.num_terms, seq_len=d.seq_len,
-                                 frac_test=d.frac_test, split_seed=split_seed(config),
-                                 frac_unknown=d.frac_unknown)
+    b = fuzzy_logic.sample_batch(config.seed, EVAL_STEP0 + i, min(_BATCH,
+                                                                  examples - i), split, num_vars=d.num_vars,
+                                 num_terms=d.num_terms, seq_len=d.seq_len, frac_test=d.frac_test,
+                                 split_seed=split_seed(config), frac_unknown=d.frac_unknown)
     if fixed_query:
       b["inputs_btv"][:, -1, :d.num_vars] = x_query_l  # the query's answer slot stays 0
     feats.append(np.stack([a[:, :, -1, -1] for a in codes(b["inputs_btv"])]))
@@ -100,8 +99,7 @@ def decode_rules(x_train, y_train, x_ood, y_ood) -> float:
 def decode_terms(x_train, terms_train, x_ood, terms_ood) -> float:
   """Accuracy of the decoded term set: the K highest-scoring terms equal the task's terms."""
   binarizer = MultiLabelBinarizer().fit(np.concatenate([terms_train, terms_ood]))
-  clf = OneVsRestClassifier(LogisticRegression(max_iter=2000)).fit(
-      x_train, binarizer.transform(terms_train))
+  clf = OneVsRestClassifier(LogisticRegression(max_iter=2000)).fit(x_train, binarizer.transform(terms_train))
   top_nk = binarizer.classes_[np.argsort(-clf.decision_function(x_ood), axis=1)[:, :terms_ood.shape[1]]]
   return float((np.sort(top_nk, axis=1) == np.sort(terms_ood, axis=1)).all(axis=1).mean())
 
@@ -115,19 +113,24 @@ def ridge_r2(x_nf, y_nt) -> float:
 
 def paper_code_protocol(config, codes, examples: int) -> dict:
   if config.task == "sraven":
-    (x_tr, y_tr), (x_ood, y_ood) = (sraven_codes(config, codes, s, examples, slots=(3,), permute=False)
-                                    for s in ("test", "ood"))
-    return {"protocol": "last query token, unpermuted data, logistic regression training -> OOD tasks",
-            "examples_per_split": examples,
-            "ood_decoding_accuracy_per_layer": [decode_rules(x_tr[l], y_tr, x_ood[l], y_ood)
-                                                for l in range(len(x_tr))],
-            "majority_class_accuracy": float(np.bincount(y_ood).max() / len(y_ood))}
+    (x_tr, y_tr), (x_ood, y_ood) = (
+        sraven_codes(config, codes, s, examples, slots=(3,), permute=False) for s in ("test", "ood"))
+    return {
+        "protocol": "last query token, unpermuted data, logistic regression training -> OOD tasks",
+        "examples_per_split": examples,
+        "ood_decoding_accuracy_per_layer": [
+            decode_rules(x_tr[l], y_tr, x_ood[l], y_ood) for l in range(len(x_tr))
+        ],
+        "majority_class_accuracy": float(np.bincount(y_ood).max() / len(y_ood))
+    }
   x_lnh, terms_nk = fuzzy_codes(config, codes, "train", examples, fixed_query=True)
   bits_nkl = fuzzy_logic.all_terms(config.data.num_vars)[terms_nk]
-  return {"protocol": "all layers' query self-codes, fixed-query sequences of training tasks, "
-                      "ridge (l2=1) onto term bits, R² on the held-out half",
-          "examples": examples,
-          "term_bits_r2": ridge_r2(np.concatenate(list(x_lnh), axis=1), bits_nkl.reshape(len(bits_nkl), -1))}
+  return {
+      "protocol": "all layers' query self-codes, fixed-query sequences of training tasks, "
+                  "ridge (l2=1) onto term bits, R² on the held-out half",
+      "examples": examples,
+      "term_bits_r2": ridge_r2(np.concatenate(list(x_lnh), axis=1), bits_nkl.reshape(len(bits_nkl), -1))
+  }
 
 
 def analyse(workdir: str, step: int | None = None, examples: int = 2048,
@@ -146,23 +149,33 @@ def analyse(workdir: str, step: int | None = None, examples: int = 2048,
   else:
     raise SystemExit(f"lm-latent: {workdir} is a {config.task!r} run; latent codes are analysed for "
                      "sraven and fuzzy_logic runs only")
-  result = {"task": config.task, "attention": config.model.attention, "heads": config.model.H,
-            "protocol": "ours: " + ("every query token, training distribution, logistic regression "
-                                    "training -> OOD tasks" if config.task == "sraven" else
-                                    "query self-code, term set by one-vs-rest logistic regression, "
-                                    "training -> OOD tasks"),
-            "examples_per_split": examples,
-            "ood_decoding_accuracy_per_layer": [decode(x_tr[l], y_tr, x_ood[l], y_ood)
-                                                for l in range(len(x_tr))],
-            "majority_class_accuracy": chance,
-            "paper_code": paper_code_protocol(config, codes, paper_examples or PAPER_EXAMPLES[config.task])}
+  result = {
+      "task":
+          config.task,
+      "attention":
+          config.model.attention,
+      "heads":
+          config.model.H,
+      "protocol":
+          "ours: " + ("every query token, training distribution, logistic regression "
+                      "training -> OOD tasks" if config.task == "sraven" else
+                      "query self-code, term set by one-vs-rest logistic regression, "
+                      "training -> OOD tasks"),
+      "examples_per_split":
+          examples,
+      "ood_decoding_accuracy_per_layer": [decode(x_tr[l], y_tr, x_ood[l], y_ood) for l in range(len(x_tr))],
+      "majority_class_accuracy":
+          chance,
+      "paper_code":
+          paper_code_protocol(config, codes, paper_examples or PAPER_EXAMPLES[config.task])
+  }
   embedding = PCA(n_components=2).fit_transform(x_ood[-1]) if x_ood.shape[-1] > 1 else \
       np.concatenate([x_ood[-1], np.zeros_like(x_ood[-1])], axis=1)
   fig, ax = plt.subplots(figsize=(5, 4.5))
   points = ax.scatter(embedding[:, 0], embedding[:, 1], c=colour, cmap="tab10", s=4)
   ax.legend(*points.legend_elements(), title=label_name, fontsize=7, loc="best")
-  ax.set(title=f"{config.task}, {config.model.attention}: final-layer OOD codes (PCA)",
-         xlabel="PC 1", ylabel="PC 2")
+  ax.set(title=f"{config.task}, {config.model.attention}: final-layer OOD codes (PCA)", xlabel="PC 1",
+         ylabel="PC 2")
   compare.save_figure(fig, epath.Path(workdir) / "latent_embedding.png")
   (epath.Path(workdir) / "latent.json").write_text(json.dumps(result, indent=1))
   return result
@@ -171,8 +184,7 @@ def analyse(workdir: str, step: int | None = None, examples: int = 2048,
 def main(argv):
   del argv
   try:
-    result = analyse(flags.FLAGS.workdir, flags.FLAGS.step, flags.FLAGS.examples,
-                     flags.FLAGS.paper_examples)
+    result = analyse(flags.FLAGS.workdir, flags.FLAGS.step, flags.FLAGS.examples, flags.FLAGS.paper_examples)
   except FileNotFoundError as e:
     raise SystemExit(f"lm-latent: {e}") from e
   print(json.dumps(result, indent=1))
@@ -182,8 +194,9 @@ def run():
   flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
   flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
   flags.DEFINE_integer("examples", 2048, "Instances per split (training tasks, OOD tasks), our protocol.")
-  flags.DEFINE_integer("paper_examples", None, "Instances per set of the paper code's protocol; "
-                       "default: its sizes (SRAVEN 51,200, fuzzy logic 16,000).")
+  flags.DEFINE_integer(
+      "paper_examples", None, "Instances per set of the paper code's protocol; "
+      "default: its sizes (SRAVEN 51,200, fuzzy logic 16,000).")
   flags.mark_flags_as_required(["workdir"])
   cli.run(main, __name__)
 

@@ -74,7 +74,7 @@ def ambiguity(context_bt: np.ndarray, answer_bf: np.ndarray, permute: bool) -> d
   count_bpj = pairing_pjv.sum(-1)
   valid_bp = (count_bpj > 0).all(-1)
   # A valid pairing with one answer per slot gives one panel; code it as a number to compare.
-  code_bp = (pairing_pjv.argmax(-1) * V ** slots).sum(-1)
+  code_bp = (pairing_pjv.argmax(-1) * V**slots).sum(-1)
   several_per_slot = (valid_bp & (count_bpj > 1).any(-1)).any(-1)
   lo = np.where(valid_bp, code_bp, np.inf).min(-1)
   hi = np.where(valid_bp, code_bp, -np.inf).max(-1)
@@ -101,9 +101,14 @@ def rates(seed: int, instances: int, permute: bool) -> dict[str, float]:
 
 def main(argv):
   del argv
-  print(json.dumps({"instances": _INSTANCES.value, "seed": _SEED.value,
-                    **{f"permute_features={p}": rates(_SEED.value, _INSTANCES.value, p)
-                       for p in (True, False)}}))
+  print(
+      json.dumps({
+          "instances": _INSTANCES.value,
+          "seed": _SEED.value,
+          **{
+              f"permute_features={p}": rates(_SEED.value, _INSTANCES.value, p) for p in (True, False)
+          }
+      }))
 
 
 if __name__ == "__main__":

@@ -36,15 +36,16 @@ def _parser() -> argparse.ArgumentParser:
   procs = modes.add_parser(
       "processes", help="N local processes as one distributed JAX run on 127.0.0.1",
       description="Starts N copies of the command, each with --coordinator_address=127.0.0.1:PORT "
-                  "--num_processes=N --process_id=I appended; stops all when one fails.")
+      "--num_processes=N --process_id=I appended; stops all when one fails.")
   procs.add_argument("-n", "--num_processes", type=int, required=True, help="how many processes")
   procs.add_argument("--port", type=int, help="coordinator port (default: a free one)")
   procs.add_argument("--xla_devices", type=int,
                      help="simulated CPU devices per process (XLA's host platform device count)")
-  procs.add_argument("--max-restarts", type=int, default=0,
-                     help="when a process dies (non-zero exit or a signal), stop the others and "
-                          "start all again, up to this many times; a trainer resumes from its "
-                          "latest checkpoint (default: %(default)s)")
+  procs.add_argument(
+      "--max-restarts", type=int, default=0,
+      help="when a process dies (non-zero exit or a signal), stop the others and "
+      "start all again, up to this many times; a trainer resumes from its "
+      "latest checkpoint (default: %(default)s)")
 
   slice_flags = argparse.ArgumentParser(add_help=False)
   defaults = tpu.Slice()
@@ -52,8 +53,7 @@ def _parser() -> argparse.ArgumentParser:
                            help="TPU VM (and queued resource) name")
   slice_flags.add_argument("--project", type=tpu.gcp_value("project"),
                            help="GCP project (default: gcloud's core/project)")
-  slice_flags.add_argument("--zone", type=tpu.gcp_value("zone"),
-                           help="zone (default: gcloud's compute/zone)")
+  slice_flags.add_argument("--zone", type=tpu.gcp_value("zone"), help="zone (default: gcloud's compute/zone)")
   slice_flags.add_argument("--accelerator-type", default=defaults.accelerator_type,
                            type=tpu.gcp_value("accelerator-type"),
                            help="default: %(default)s, 4 workers x 4 chips")
@@ -79,20 +79,23 @@ def _parser() -> argparse.ArgumentParser:
       "sky", help="a SkyPilot managed job: the slice recovers by itself from preemptions",
       description=managed.__doc__.splitlines()[0] + " Needs the extra: pip install -e \".[sky]\".",
       epilog="e.g. lm-launch sky --spot -- lm-train --config=configs/c4_50m.py "
-             "--workdir=gs://BUCKET/runs/c4_50m")
+      "--workdir=gs://BUCKET/runs/c4_50m")
   sky_parser.add_argument("--name", default=job.name, type=tpu.gcp_value("name"),
                           help="managed job name (default: %(default)s)")
   sky_parser.add_argument("--accelerator-type", default=job.accelerator_type,
-                          type=tpu.gcp_value("accelerator-type"), help="TPU type (default: %(default)s, 4 workers x 4 chips)")
+                          type=tpu.gcp_value("accelerator-type"),
+                          help="TPU type (default: %(default)s, 4 workers x 4 chips)")
   sky_parser.add_argument("--runtime-version", default=job.runtime_version,
-                          type=tpu.gcp_value("runtime-version"), help="TPU software version (default: %(default)s)")
-  sky_parser.add_argument("--infra", default=job.infra,
-                          help="where the slice may run: gcp, gcp/REGION or gcp/REGION/ZONE "
-                               "(default: %(default)s, any region: the widest recovery)")
+                          type=tpu.gcp_value("runtime-version"),
+                          help="TPU software version (default: %(default)s)")
+  sky_parser.add_argument(
+      "--infra", default=job.infra, help="where the slice may run: gcp, gcp/REGION or gcp/REGION/ZONE "
+      "(default: %(default)s, any region: the widest recovery)")
   sky_parser.add_argument("--spot", action="store_true", help="Spot VMs: cheaper, preemptible")
-  sky_parser.add_argument("--max-restarts-on-errors", type=int, default=job.max_restarts_on_errors,
-                          help="restarts after the command fails, beside those after preemptions "
-                               "(default: %(default)s)")
+  sky_parser.add_argument(
+      "--max-restarts-on-errors", type=int, default=job.max_restarts_on_errors,
+      help="restarts after the command fails, beside those after preemptions "
+      "(default: %(default)s)")
   sky_parser.add_argument("--dry-run", action="store_true",
                           help="print the task file and the sky command, and run nothing")
   return parser
@@ -140,19 +143,25 @@ def main(argv: Sequence[str] | None = None, runner: tpu.Runner | None = None) ->
   if not args.dry_run and runner is None and shutil.which("gcloud") is None:
     parser.error("gcloud not found on PATH; install the Google Cloud CLI "
                  "(cloud.google.com/sdk/docs/install), or add --dry-run to print the commands")
-  s = tpu.Slice(name=args.name, accelerator_type=args.accelerator_type,
-                runtime_version=args.runtime_version, project=args.project, zone=args.zone,
-                spot=args.spot, queued=args.queued)
+  s = tpu.Slice(name=args.name, accelerator_type=args.accelerator_type, runtime_version=args.runtime_version,
+                project=args.project, zone=args.zone, spot=args.spot, queued=args.queued)
   sh = tpu.Shell(dry_run=args.dry_run, runner=runner or tpu.run_subprocess)
   try:
     match args.action:
-      case "create": tpu.create(s, sh)
-      case "install": tpu.install(s, sh)
-      case "run": tpu.run(s, sh, cmd)
-      case "logs": tpu.logs(s, sh, args.worker)
-      case "stop": tpu.stop(s, sh)
-      case "delete": tpu.delete(s, sh)
-      case "up": tpu.up(s, sh, cmd)
+      case "create":
+        tpu.create(s, sh)
+      case "install":
+        tpu.install(s, sh)
+      case "run":
+        tpu.run(s, sh, cmd)
+      case "logs":
+        tpu.logs(s, sh, args.worker)
+      case "stop":
+        tpu.stop(s, sh)
+      case "delete":
+        tpu.delete(s, sh)
+      case "up":
+        tpu.up(s, sh, cmd)
   except tpu.LaunchError as e:
     print(f"lm-launch: {e}", file=sys.stderr)
     return 1

@@ -25,7 +25,7 @@ from ml_collections import config_flags
 from lm import cli, flops
 from lm.experiment import Experiment
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +35,17 @@ class Chip:
 
 
 # Per chip, from Cloud TPU's system-architecture pages; keyed by the devices' device_kind.
-CHIPS = {"TPU v5 lite": Chip(16 * GiB, 819e9), "TPU v5": Chip(95 * GiB, 2765e9),
-         "TPU v6 lite": Chip(32 * GiB, 1640e9)}
+CHIPS = {
+    "TPU v5 lite": Chip(16 * GiB, 819e9),
+    "TPU v5": Chip(95 * GiB, 2765e9),
+    "TPU v6 lite": Chip(32 * GiB, 1640e9)
+}
 # Topologies libtpu accepts here (tests/test_compile.py checks every one), for the error message.
-EXAMPLES = {"v5e": ["2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"],
-            "v5p": ["2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8"],
-            "v6e": ["2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"]}
+EXAMPLES = {
+    "v5e": ["2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"],
+    "v5p": ["2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8"],
+    "v6e": ["2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"]
+}
 
 
 class UsageError(Exception):
@@ -86,13 +91,34 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
   seq_len, rows = exp.task.seq_len, config.train.batch_size
   tokens_per_step = rows * seq_len
   out = {
-      "topology": topology, "chips": len(devices), "hosts": len({d.process_index for d in devices}),
-      "device_kind": devices[0].device_kind, "mesh": dict(exp.mesh.shape),
-      "attention": exp.model_cfg.attention, "num_params": exp.num_params, "batch_rows": rows,
-      "seq_len": seq_len, "microbatches": config.train.microbatches, "steps": config.train.steps,
-      "tokens": config.train.steps * tokens_per_step, "hbm_bytes": chip.hbm_bytes,
-      "model_flops": flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len)
-                     * tokens_per_step / len(devices),
+      "topology":
+          topology,
+      "chips":
+          len(devices),
+      "hosts":
+          len({d.process_index for d in devices}),
+      "device_kind":
+          devices[0].device_kind,
+      "mesh":
+          dict(exp.mesh.shape),
+      "attention":
+          exp.model_cfg.attention,
+      "num_params":
+          exp.num_params,
+      "batch_rows":
+          rows,
+      "seq_len":
+          seq_len,
+      "microbatches":
+          config.train.microbatches,
+      "steps":
+          config.train.steps,
+      "tokens":
+          config.train.steps * tokens_per_step,
+      "hbm_bytes":
+          chip.hbm_bytes,
+      "model_flops":
+          flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len) * tokens_per_step / len(devices),
   }
   start = time.perf_counter()
   try:
@@ -101,18 +127,20 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     # The compiler stops at the first buffer assignment that overflows: only its message remains.
-    return {**out, "fits": False, "compiler_message": str(e).strip(),
-            "argument_bytes": argument_bytes(exp),
-            "compile_seconds": time.perf_counter() - start}
+    return {
+        **out, "fits": False,
+        "compiler_message": str(e).strip(),
+        "argument_bytes": argument_bytes(exp),
+        "compile_seconds": time.perf_counter() - start
+    }
   out["compile_seconds"] = time.perf_counter() - start
   memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
-  out.update(
-      argument_bytes=memory.argument_size_in_bytes,
-      output_bytes=memory.output_size_in_bytes - memory.alias_size_in_bytes,
-      temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes,
-      total_bytes=memory.peak_memory_in_bytes, fits=memory.peak_memory_in_bytes <= chip.hbm_bytes,
-      compiler_flops=cost["flops"], compiler_bytes=cost["bytes accessed"],
-      optimal_seconds=cost["optimal_seconds"])
+  out.update(argument_bytes=memory.argument_size_in_bytes,
+             output_bytes=memory.output_size_in_bytes - memory.alias_size_in_bytes,
+             temp_bytes=memory.temp_size_in_bytes, code_bytes=memory.generated_code_size_in_bytes,
+             total_bytes=memory.peak_memory_in_bytes, fits=memory.peak_memory_in_bytes <= chip.hbm_bytes,
+             compiler_flops=cost["flops"], compiler_bytes=cost["bytes accessed"],
+             optimal_seconds=cost["optimal_seconds"])
   # The compiler sees no FLOPs inside Pallas kernels; the model count never misses the attention.
   compute = max(out["compiler_flops"], out["model_flops"]) / peak
   memory_time = out["compiler_bytes"] / chip.hbm_bytes_per_second
@@ -132,16 +160,17 @@ def format_report(r: dict) -> str:
       f"{r['attention']} attention, {r['num_params']:,} parameters, {r['batch_rows']} rows x "
       f"{r['seq_len']} tokens per step; {r['topology']}: {r['chips']} chips ({r['device_kind']}) on "
       f"{r['hosts']} host{'s' * (r['hosts'] > 1)}, mesh {r['mesh']}; compiler ran "
-      f"{r['compile_seconds']:.0f} s",
-      "memory per chip:"]
+      f"{r['compile_seconds']:.0f} s", "memory per chip:"
+  ]
   if "compiler_message" in r:
     fix = ("shard the state: mesh.fsdp (width) or mesh.tensor (heads, MLP, vocabulary)"
-           if r["argument_bytes"] > r["hbm_bytes"] / 2 else
-           "lower train.batch_size, raise train.microbatches, or set model.remat=True")
+           if r["argument_bytes"] > r["hbm_bytes"] /
+           2 else "lower train.batch_size, raise train.microbatches, or set model.remat=True")
     return "\n".join(lines + [
         f"  arguments (state and batch)  {_gib(r['argument_bytes'])}",
         f"  DOES NOT FIT in {_gib(r['hbm_bytes'])} of HBM; the compiler says: {r['compiler_message']}",
-        f"  To fit: {fix}."])
+        f"  To fit: {fix}."
+    ])
   optimal = (f"{r['optimal_seconds'] * 1e3:.1f} ms" if r["optimal_seconds"] > 0 else
              f"unusable ({r['optimal_seconds']:.3f} s: negative when the cost model cannot time "
              "some operation of the step)")
@@ -150,9 +179,8 @@ def format_report(r: dict) -> str:
       f"  outputs not aliased to them  {_gib(r['output_bytes'])}",
       f"  temporaries                  {_gib(r['temp_bytes'])}",
       f"  generated code               {_gib(r['code_bytes'])}",
-      f"  total (compiler's peak)      {_gib(r['total_bytes'])} of {_gib(r['hbm_bytes'])} HBM: "
-      + ("fits" if r["fits"] else "DOES NOT FIT"),
-      "per chip and step:",
+      f"  total (compiler's peak)      {_gib(r['total_bytes'])} of {_gib(r['hbm_bytes'])} HBM: " +
+      ("fits" if r["fits"] else "DOES NOT FIT"), "per chip and step:",
       f"  FLOPs, compiler              {r['compiler_flops']:.3e}",
       f"  FLOPs, model (6N+attention)  {r['model_flops']:.3e}",
       f"  HBM bytes, compiler          {r['compiler_bytes']:.3e}",
@@ -160,9 +188,9 @@ def format_report(r: dict) -> str:
       "estimates, not measurements (docs/compile.md says how far to trust them):",
       f"  step time   {r['estimated_step_seconds'] * 1e3:.1f} ms = max(FLOPs / "
       f"{r['peak_flops'] / 1e12:.0f} TFLOP/s, bytes / {r['hbm_bytes_per_second'] / 1e9:.0f} GB/s), "
-      f"{r['bound']}-bound",
-      f"  run time    {r['estimated_hours']:.1f} h for {r['steps']:,} steps "
-      f"({r['tokens'] / 1e9:.1f}B tokens)"]
+      f"{r['bound']}-bound", f"  run time    {r['estimated_hours']:.1f} h for {r['steps']:,} steps "
+      f"({r['tokens'] / 1e9:.1f}B tokens)"
+  ]
   if r["microbatches"] > 1:  # XLA's cost analysis counts a loop's body once, whatever its trip count.
     lines.append(f"  the compiler's FLOPs and bytes cover 1 of the {r['microbatches']} microbatches")
   return "\n".join(lines)
@@ -182,8 +210,9 @@ def main(argv):
 
 def run():
   config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
-  flags.DEFINE_string("topology", "v5e:4x4", "TPU topology CHIP:AxB[xC], e.g. v5e:4x4 (the 16 "
-                      "chips of v5litepod-16), v5p:2x2x2, v6e:2x2.")
+  flags.DEFINE_string(
+      "topology", "v5e:4x4", "TPU topology CHIP:AxB[xC], e.g. v5e:4x4 (the 16 "
+      "chips of v5litepod-16), v5p:2x2x2, v6e:2x2.")
   flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
   flags.mark_flags_as_required(["config"])
   cli.run(main, __name__)

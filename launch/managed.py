@@ -55,12 +55,16 @@ def task(job: Job, cmd: Sequence[str]) -> dict:
       "resources": {
           "infra": job.infra,
           "accelerators": f"tpu-{job.accelerator_type}",
-          "accelerator_args": {"runtime_version": job.runtime_version},
+          "accelerator_args": {
+              "runtime_version": job.runtime_version
+          },
           "use_spot": job.spot,
-          "job_recovery": {"strategy": _STRATEGY,
-                           "max_restarts_on_errors": job.max_restarts_on_errors,
-                           # A hang the watchdog ended is always worth a restart.
-                           "recover_on_exit_codes": [watchdog.HUNG_EXIT_STATUS]},
+          "job_recovery": {
+              "strategy": _STRATEGY,
+              "max_restarts_on_errors": job.max_restarts_on_errors,
+              # A hang the watchdog ended is always worth a restart.
+              "recover_on_exit_codes": [watchdog.HUNG_EXIT_STATUS]
+          },
       },
       # Synced to ~/sky_workdir on every host (less what .gitignore excludes); setup and run start there.
       "workdir": str(tpu.ROOT),
@@ -74,8 +78,9 @@ class _Dumper(yaml.SafeDumper):
   """Multi-line strings (setup, run) as YAML block literals, as people write them."""
 
 
-_Dumper.add_representer(str, lambda dumper, s: dumper.represent_scalar(
-    "tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+_Dumper.add_representer(
+    str, lambda dumper, s: dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|"
+                                                   if "\n" in s else None))
 
 
 def to_yaml(config: dict) -> str:
@@ -110,8 +115,8 @@ def launch(job: Job, sh: tpu.Shell, cmd: Sequence[str]) -> None:
   else:
     task_file.write_text(text)
   sh.run(launch_command(job, task_file))
-  later = (("follow the log", ["sky", "jobs", "logs", f"--name={job.name}"]),
-           ("see its state and recoveries", ["sky", "jobs", "queue"]),
+  later = (("follow the log", ["sky", "jobs", "logs", f"--name={job.name}"]), ("see its state and recoveries",
+                                                                               ["sky", "jobs", "queue"]),
            ("stop it", ["sky", "jobs", "cancel", f"--name={job.name}"]))
   for when, argv in later:
     print(f"# then, to {when}: {shlex.join(argv)}", flush=True)

@@ -29,8 +29,8 @@ def main(argv):
     raise SystemExit("lm-prepare: --train_tokenizer needs text shards: prepare the text first, then "
                      "pre-tokenize into another directory with --tokenizer=the trained model")
   try:
-    totals = prepare.prepare(splits, output, tokenizer=FLAGS.tokenizer,
-                             pretokenize=FLAGS.pretokenize, workers=FLAGS.workers)
+    totals = prepare.prepare(splits, output, tokenizer=FLAGS.tokenizer, pretokenize=FLAGS.pretokenize,
+                             workers=FLAGS.workers)
     if FLAGS.train_tokenizer:
       model = tokenizer_lib.model_path(output, FLAGS.train_tokenizer)
       if not model.exists():
@@ -50,8 +50,9 @@ def run():
   flags.DEFINE_string("output", None, "Directory of the ArrayRecord shards (data.dir).")
   flags.DEFINE_string("tokenizer", "", "A SentencePiece .model file (local or gs://).")
   flags.DEFINE_bool("pretokenize", False, "Store token ids instead of text (needs --tokenizer).")
-  flags.DEFINE_integer("train_tokenizer", 0, "Train a BPE SentencePiece model of this many pieces "
-                       "on the train split into the output directory (not with --pretokenize).")
+  flags.DEFINE_integer(
+      "train_tokenizer", 0, "Train a BPE SentencePiece model of this many pieces "
+      "on the train split into the output directory (not with --pretokenize).")
   flags.DEFINE_integer("workers", os.cpu_count() or 1, "Worker processes (files in parallel).")
   flags.mark_flags_as_required(["train", "validation", "output"])
   cli.run(main, __name__)

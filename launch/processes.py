@@ -77,8 +77,8 @@ def _status(returncode: int) -> int:
   return returncode if returncode >= 0 else 128 - returncode
 
 
-def run(cmd: Sequence[str], num_processes: int, port: int | None = None,
-        xla_devices: int | None = None, max_restarts: int = 0) -> int:
+def run(cmd: Sequence[str], num_processes: int, port: int | None = None, xla_devices: int | None = None,
+        max_restarts: int = 0) -> int:
   """Runs num_processes copies of cmd until all succeed, one fails, or we get SIGINT/SIGTERM
   (forwarded to every process). After a failure, starts the whole job again, up to max_restarts
   times: a trainer resumes from its latest checkpoint.
@@ -89,8 +89,9 @@ def run(cmd: Sequence[str], num_processes: int, port: int | None = None,
   lock = threading.Lock()
   # Installed first, so that a signal that comes while the children start still reaches them all.
   received: list[int] = []
-  handlers = {s: signal.signal(s, lambda signum, _: received.append(signum))
-              for s in (signal.SIGINT, signal.SIGTERM)}
+  handlers = {
+      s: signal.signal(s, lambda signum, _: received.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)
+  }
   try:
     for attempt in range(max_restarts + 1):
       # A fresh port each time: the dead coordinator's may not be free yet.
@@ -98,20 +99,23 @@ def run(cmd: Sequence[str], num_processes: int, port: int | None = None,
       if status == 0 or received or attempt == max_restarts:
         return status
       with lock:
-        print(f"lm-launch: restarting all {num_processes} processes ({attempt + 1} of "
-              f"{max_restarts} restarts)", file=sys.stderr, flush=True)
+        print(
+            f"lm-launch: restarting all {num_processes} processes ({attempt + 1} of "
+            f"{max_restarts} restarts)", file=sys.stderr, flush=True)
   finally:
     for signum, handler in handlers.items():
       signal.signal(signum, handler)
 
 
-def _run_once(cmd: Sequence[str], num_processes: int, port: int, env: dict[str, str],
-              received: list[int], lock: threading.Lock) -> int:
+def _run_once(cmd: Sequence[str], num_processes: int, port: int, env: dict[str, str], received: list[int],
+              lock: threading.Lock) -> int:
   children, pumps = [], []
   for i in range(num_processes):
     child = subprocess.Popen(
-        [*cmd, *distributed_flags(port, num_processes, i)], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [*cmd, *distributed_flags(port, num_processes, i)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         # Out of our process group: a terminal's Ctrl-C reaches the children once, through us.
         start_new_session=True)
     children.append(child)
@@ -137,8 +141,9 @@ def _wait(children: Sequence[subprocess.Popen], received: list[int], lock: threa
     failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
     if failed is not None:
       with lock:
-        print(f"lm-launch: process {failed} of {len(children)} exited with status "
-              f"{_status(codes[failed])}; stopping the others", file=sys.stderr, flush=True)
+        print(
+            f"lm-launch: process {failed} of {len(children)} exited with status "
+            f"{_status(codes[failed])}; stopping the others", file=sys.stderr, flush=True)
       # SIGKILL, not SIGTERM: without their peer the others cannot save (a checkpoint needs every
       # process), and one blocked in a collective would wait out the coordination service's
       # heartbeat timeout (minutes) before it failed by itself.

@@ -58,6 +58,7 @@ def gcp_value(kind: str) -> Callable[[str], str]:
     if not re.fullmatch(pattern, value):
       raise argparse.ArgumentTypeError(f"{value!r} is not {what}")
     return value
+
   return check
 
 
@@ -106,8 +107,8 @@ def create_command(s: Slice) -> list[str]:
   spot = ["--spot"] * s.spot
   if s.queued:
     return _gcloud(s, "queued-resources", "create", s.name, f"--node-id={s.name}",
-                   f"--accelerator-type={s.accelerator_type}",
-                   f"--runtime-version={s.runtime_version}", *spot)
+                   f"--accelerator-type={s.accelerator_type}", f"--runtime-version={s.runtime_version}",
+                   *spot)
   return _gcloud(s, "tpu-vm", "create", s.name, f"--accelerator-type={s.accelerator_type}",
                  f"--version={s.runtime_version}", *spot)
 
@@ -145,7 +146,10 @@ def install_commands(s: Slice, archive: Path) -> list[list[str]]:
   """Ships HEAD of this checkout (committed files only) and installs it in a venv on every worker."""
   script = " && ".join([
       # Unpacked over the old copy, never wiped: a relative --workdir lives in this directory.
-      f"mkdir -p ~/{_SRC}", f"tar -xzf ~/{_ARCHIVE} -C ~/{_SRC}", f"cd ~/{_SRC}", *install_steps(),
+      f"mkdir -p ~/{_SRC}",
+      f"tar -xzf ~/{_ARCHIVE} -C ~/{_SRC}",
+      f"cd ~/{_SRC}",
+      *install_steps(),
   ])
   return [
       ["git", "-C", str(ROOT), "archive", "--format=tar.gz", f"--output={archive}", "HEAD"],
@@ -217,8 +221,9 @@ def install(s: Slice, sh: Shell) -> None:
 def run(s: Slice, sh: Shell, cmd: Sequence[str]) -> None:
   sh.run(ssh_command(s, run_script(cmd)))
   if not sh.dry_run:
-    print(f"lm-launch: started on every worker of {s.name}; follow it with: "
-          f"lm-launch tpu logs --name={s.name}", flush=True)
+    print(
+        f"lm-launch: started on every worker of {s.name}; follow it with: "
+        f"lm-launch tpu logs --name={s.name}", flush=True)
 
 
 def logs_command(s: Slice, worker: str = "0") -> list[str]:

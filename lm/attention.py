@@ -22,26 +22,33 @@ Where a change goes:
 """
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 
 from lm import attention_blocked, attention_core as core, attention_linear, attention_softmax, sharding
-from lm.attention_core import (NONLINEARITIES, NORMALIZATIONS, VALUE_NETWORKS,  # noqa: F401  (public)
-                               Knobs, normalized_scores)
+from lm.attention_core import NONLINEARITIES, NORMALIZATIONS, VALUE_NETWORKS, Knobs, normalized_scores  # noqa: F401  (public)
 
 # Paper section 2: the three main variants and the ablations, each a full setting of the knobs.
 PRESETS: dict[str, dict[str, str]] = {
-    "softmax": dict(normalization="softmax", value_network="linear"),
-    "linear": dict(normalization="none", value_network="linear"),
-    "hyla": dict(normalization="rms_head", value_network="hypernetwork", nonlinearity="relu"),
-    "linear_rms_head": dict(normalization="rms_head", value_network="linear"),
-    "hyla_no_rms_head": dict(normalization="none", value_network="hypernetwork", nonlinearity="relu"),
-    "hyla_no_nonlinearity": dict(
-        normalization="rms_head", value_network="hypernetwork", nonlinearity="identity"),
-    "hyla_softmax": dict(normalization="softmax", value_network="hypernetwork", nonlinearity="relu"),
-    **{f"hyla_{phi}": dict(normalization="rms_head", value_network="hypernetwork", nonlinearity=phi)
-       for phi in ("gelu", "silu", "sigmoid", "tanh")},
+    "softmax":
+        dict(normalization="softmax", value_network="linear"),
+    "linear":
+        dict(normalization="none", value_network="linear"),
+    "hyla":
+        dict(normalization="rms_head", value_network="hypernetwork", nonlinearity="relu"),
+    "linear_rms_head":
+        dict(normalization="rms_head", value_network="linear"),
+    "hyla_no_rms_head":
+        dict(normalization="none", value_network="hypernetwork", nonlinearity="relu"),
+    "hyla_no_nonlinearity":
+        dict(normalization="rms_head", value_network="hypernetwork", nonlinearity="identity"),
+    "hyla_softmax":
+        dict(normalization="softmax", value_network="hypernetwork", nonlinearity="relu"),
+    **{
+        f"hyla_{phi}": dict(normalization="rms_head", value_network="hypernetwork", nonlinearity=phi) for phi in ("gelu", "silu", "sigmoid", "tanh")
+    },
 }
 
 
@@ -57,14 +64,14 @@ class Impl(NamedTuple):
   its row supports: `knobs` when it computes every setting, `causal` when it is bidirectional too,
   `bias`, and `dropout_rate` with `dropout_rng`."""
   fn: Callable[..., jax.Array]
-  auto: dict[str, int | None]    # platform → the longest length `auto` takes it for (None: any)
-  computes: str | None = None    # the one preset whose normalisation and value network it computes
+  auto: dict[str, int | None]  # platform → the longest length `auto` takes it for (None: any)
+  computes: str | None = None  # the one preset whose normalisation and value network it computes
   bidirectional: bool = True
   bias: bool = True
   dropout: bool = True
-  cross: bool = False            # query and key lengths may differ
-  tile: int = 1                  # lengths must be multiples of this
-  memory_linear: bool = True     # training memory linear in the sequence length
+  cross: bool = False  # query and key lengths may differ
+  tile: int = 1  # lengths must be multiples of this
+  memory_linear: bool = True  # training memory linear in the sequence length
 
 
 # Platforms `auto` chooses for; "gpu" is lax.platform_dependent's default branch (cuda, rocm).
@@ -77,19 +84,26 @@ CPU_BLOCKED_FROM = 1024
 # Table order is auto's preference.
 IMPLS: dict[str, Impl] = {
     # The Pallas TPU flash-attention kernel (lm/attention_softmax.py), in a shard_map over the mesh.
-    "pallas": Impl(functools.partial(attention_softmax.attend_pallas, batch_axes=sharding.BATCH),
-                   computes="softmax", dropout=False, tile=attention_softmax.PALLAS_BLOCK,
-                   auto={"tpu": None}),
+    "pallas":
+        Impl(functools.partial(attention_softmax.attend_pallas, batch_axes=sharding.BATCH),
+             computes="softmax", dropout=False, tile=attention_softmax.PALLAS_BLOCK, auto={"tpu": None}),
     # Causal linear attention in O(t·d²) (lm/attention_linear.py).
-    "chunked": Impl(attention_linear.attend_chunked, computes="linear", bidirectional=False, bias=False,
-                    dropout=False, auto=ANYWHERE),
+    "chunked":
+        Impl(attention_linear.attend_chunked, computes="linear", bidirectional=False, bias=False,
+             dropout=False, auto=ANYWHERE),
     # jax.nn.dot_product_attention: XLA's fusion, or cuDNN's flash attention on GPU.
-    "dot_product": Impl(attention_softmax.attend_dot_product, computes="softmax", dropout=False,
-                        memory_linear=False, auto={"cpu": CPU_BLOCKED_FROM - 1, "gpu": None}),
+    "dot_product":
+        Impl(attention_softmax.attend_dot_product, computes="softmax", dropout=False, memory_linear=False,
+             auto={
+                 "cpu": CPU_BLOCKED_FROM - 1,
+                 "gpu": None
+             }),
     # Every setting, tiled over query and key blocks (lm/attention_blocked.py).
-    "blocked": Impl(attention_blocked.attend_blocked, auto=ANYWHERE),
+    "blocked":
+        Impl(attention_blocked.attend_blocked, auto=ANYWHERE),
     # The definition itself (lm/attention_core.py); auto's last resort, for cross-attention.
-    "reference": Impl(core.reference, cross=True, memory_linear=False, auto=ANYWHERE),
+    "reference":
+        Impl(core.reference, cross=True, memory_linear=False, auto=ANYWHERE),
 }
 
 
@@ -141,6 +155,7 @@ def check(impl: str, knobs: Knobs, call: Call) -> None:
 def choose_impl(knobs: Knobs, call: Call) -> dict[str, str]:
   """What impl="auto" runs on each platform: the first row of IMPLS that supports the call and that
   auto may take there at this length."""
+
   def first(platform):
     for name, impl in IMPLS.items():
       if platform not in impl.auto:
@@ -187,9 +202,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: str, valu
   call = Call(q.shape[1], k.shape[1], causal, bias is not None, dropout_rate > 0)
   check(impl, knobs, call)
   chosen = choose_impl(knobs, call) if impl == "auto" else dict.fromkeys(PLATFORMS, impl)
-  run = {name: functools.partial(_run, name, knobs=knobs, causal=causal, segment_ids=segment_ids,
-                                 bias=bias, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-         for name in set(chosen.values())}
+  run = {
+      name:
+          functools.partial(_run, name, knobs=knobs, causal=causal, segment_ids=segment_ids, bias=bias,
+                            dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+      for name in set(chosen.values())
+  }
   if len(run) == 1:
     return run[chosen["cpu"]](q, k, v)
   # The platform being lowered for decides, so a step compiled for TPU on a CPU host gets TPU kernels.

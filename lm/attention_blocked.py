@@ -94,14 +94,13 @@ def _tile(tiling: _Tiling, i, j, q_bqhd, k_bkhd, v_bkhd, seg_bt, bias, lse_bhq, 
   mask = _tile_mask(tiling, i, j, seg_bt)
   s_bhqk = core.masked_scores(q_bqhd, k_bkhd, bias, mask)
   a_bhqk = core.normalize(s_bhqk, mask, normalization=knobs.normalization, lse_bhq=lse_bhq)
-  out_bqhd = core.apply_value_network(_dropped(tiling, i, j, rng, a_bhqk), v_bkhd,
-                                      value_network=knobs.value_network,
+  out_bqhd = core.apply_value_network(_dropped(tiling, i, j, rng,
+                                               a_bhqk), v_bkhd, value_network=knobs.value_network,
                                       nonlinearity=knobs.nonlinearity).astype(jnp.float32)
   return out_bqhd, (a_bhqk.sum(-1) if lse_bhq is not None else None)
 
 
-def _hypernetwork_pullback(tiling: _Tiling, i, j, q_bqhd, k_bkhd, v_bkhd, bias, lse_bhq, rng, seg_bt,
-                           g_bqhd):
+def _hypernetwork_pullback(tiling: _Tiling, i, j, q_bqhd, k_bkhd, v_bkhd, bias, lse_bhq, rng, seg_bt, g_bqhd):
   """_tile's pullback for the hypernetwork value network, written out: automatic differentiation
   transposed the [b, q, k, d] tensors between matmuls batched over queries and over keys and ran 1.6x
   slower (benchmarks/attention.py). Here z, φ'(z) and dz stay key-major; only φ(z) meets a matmul
@@ -111,16 +110,15 @@ def _hypernetwork_pullback(tiling: _Tiling, i, j, q_bqhd, k_bkhd, v_bkhd, bias, 
   and the pullback from a's total cotangent to dq, dk and dbias."""
   normalization, nonlinearity = tiling.knobs.normalization, tiling.knobs.nonlinearity
   mask = _tile_mask(tiling, i, j, seg_bt)
-  s_bhqk, scores_vjp = jax.vjp(lambda q, k, b: core.masked_scores(q, k, b, mask),
-                               q_bqhd, k_bkhd, bias)
+  s_bhqk, scores_vjp = jax.vjp(lambda q, k, b: core.masked_scores(q, k, b, mask), q_bqhd, k_bkhd, bias)
   if normalization == "rms_head":
     a_bhqk, r_b1qk = core.rms_head(s_bhqk)
     a_bhqk = a_bhqk if mask is None else jnp.where(mask, a_bhqk, 0.0)
     # a = s·r with r = (mean_h s² + ε)^-½, so ds = r·(da − a·mean_h(a·da)).
     normalize_pullback = lambda da: r_b1qk * (da - a_bhqk * jnp.mean(a_bhqk * da, axis=1, keepdims=True))
   else:
-    a_bhqk, vjp = jax.vjp(
-        lambda s: core.normalize(s, mask, normalization=normalization, lse_bhq=lse_bhq), s_bhqk)
+    a_bhqk, vjp = jax.vjp(lambda s: core.normalize(s, mask, normalization=normalization, lse_bhq=lse_bhq),
+                          s_bhqk)
     normalize_pullback = lambda da: vjp(da)[0]
   # Matmul inputs in the compute dtype, as in the forward pass; sums accumulate in float32.
   dtype, f32 = v_bkhd.dtype, dict(preferred_element_type=jnp.float32)
@@ -128,8 +126,10 @@ def _hypernetwork_pullback(tiling: _Tiling, i, j, q_bqhd, k_bkhd, v_bkhd, bias, 
   z_bkqd = jnp.einsum("bhqk,bkhd->bkqd", a_c, v_bkhd)
   p_bkqd, phi_pullback = jax.vjp(core.NONLINEARITIES[nonlinearity], z_bkqd)
   dz_bkqd = phi_pullback(jnp.einsum("bhqk,bqhd->bkqd", a_c, g_c))[0]
-  da_bhqk = _dropped(tiling, i, j, rng, jnp.einsum("bqhd,bkqd->bhqk", g_c, p_bkqd, **f32)
-                     + jnp.einsum("bkqd,bkhd->bhqk", dz_bkqd, v_bkhd, **f32))
+  da_bhqk = _dropped(
+      tiling, i, j, rng,
+      jnp.einsum("bqhd,bkqd->bhqk", g_c, p_bkqd, **f32) +
+      jnp.einsum("bkqd,bkhd->bhqk", dz_bkqd, v_bkhd, **f32))
   dv_bkhd = jnp.einsum("bhqk,bkqd->bkhd", a_c, dz_bkqd, **f32)
   # dq, dk and dbias from a's total cotangent (masked scores get none).
   scores_pullback = lambda da_bhqk: scores_vjp(normalize_pullback(da_bhqk))
@@ -193,8 +193,8 @@ def _forward(tiling, q, k, v, seg_bt, bias, rng):
     lse_bhq = None if lse is None else _blocks(lse, 2, i, block)
 
     def body(j, out_bqhd):
-      return out_bqhd + _tile(tiling, i, j, q_bqhd, _blocks(k, 1, j, block), _blocks(v, 1, j, block),
-                              seg_bt, _bias_tile(bias, i, j, block), lse_bhq, rng)[0]
+      return out_bqhd + _tile(tiling, i, j, q_bqhd, _blocks(k, 1, j, block), _blocks(v, 1, j, block), seg_bt,
+                              _bias_tile(bias, i, j, block), lse_bhq, rng)[0]
 
     return _over_keys(tiling, i, n, body, jnp.zeros(q_bqhd.shape, jnp.float32))
 
@@ -211,8 +211,7 @@ def _backward(tiling, residuals, dout):
   hypernetwork = tiling.knobs.value_network == "hypernetwork"
 
   def tile_fn(i, j):
-    return lambda q_t, k_t, v_t, bias_t, lse_t: _tile(tiling, i, j, q_t, k_t, v_t, seg_bt, bias_t, lse_t,
-                                                      rng)
+    return lambda q_t, k_t, v_t, bias_t, lse_t: _tile(tiling, i, j, q_t, k_t, v_t, seg_bt, bias_t, lse_t, rng)
 
   def tile_args(i, j):
     return (_blocks(q, 1, i, block), _blocks(k, 1, j, block), _blocks(v, 1, j, block),
@@ -252,16 +251,17 @@ def _backward(tiling, residuals, dout):
       else:
         _, pullback = jax.vjp(tile_fn(i, j), *args)
         dq_t, dk_t, dv_t, dbias_t, _ = pullback((dout_bqhd, None if dlse is None else dlse_bhq))
-      add = lambda acc, t, axis: jax.lax.dynamic_update_slice_in_dim(
-          acc, _blocks(acc, axis, j, block) + t, j * block, axis)
+      add = lambda acc, t, axis: jax.lax.dynamic_update_slice_in_dim(acc,
+                                                                     _blocks(acc, axis, j, block) + t, j *
+                                                                     block, axis)
       if dbias is not None:
         # Each (i, j) tile of the bias is visited once: written, not accumulated.
         dbias = jax.lax.dynamic_update_slice(dbias, dbias_t, (0, 0, i * block, j * block))
       return dq_bqhd + dq_t, add(dk, dk_t, 1), add(dv, dv_t, 1), dbias
 
     dk, dv, dbias = carry
-    dq_bqhd, dk, dv, dbias = _over_keys(
-        tiling, i, n, body, (jnp.zeros(dout_bqhd.shape, jnp.float32), dk, dv, dbias))
+    dq_bqhd, dk, dv, dbias = _over_keys(tiling, i, n, body,
+                                        (jnp.zeros(dout_bqhd.shape, jnp.float32), dk, dv, dbias))
     return (dk, dv, dbias), dq_bqhd
 
   zeros = lambda x: None if x is None else jnp.zeros(x.shape, jnp.float32)

@@ -13,7 +13,7 @@ lm/attention.py says which of them computes what.
 """
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.extend.random as jax_random
@@ -42,8 +42,8 @@ class Knobs:
   nonlinearity: str = "relu"
 
   def __post_init__(self):
-    for what, value, valid in (("normalization", self.normalization, NORMALIZATIONS),
-                               ("value_network", self.value_network, tuple(VALUE_NETWORKS)),
+    for what, value, valid in (("normalization", self.normalization,
+                                NORMALIZATIONS), ("value_network", self.value_network, tuple(VALUE_NETWORKS)),
                                ("nonlinearity", self.nonlinearity, tuple(NONLINEARITIES))):
       if value not in valid:
         raise ValueError(f"unknown attention {what} {value!r}; choose one of: {', '.join(valid)}")
@@ -79,7 +79,7 @@ def attention_mask(q_len: int, k_len: int, *, causal: bool,
 def masked_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, bias: jax.Array | None,
                   mask: jax.Array | None) -> jax.Array:
   """Step 1: s_bhqk = q·k / sqrt(d) + bias in float32, masked entries 0."""
-  scale = q_bqhd.shape[-1] ** -0.5
+  scale = q_bqhd.shape[-1]**-0.5
   s_bhqk = jnp.einsum("bqhd,bkhd->bhqk", q_bqhd, k_bkhd, preferred_element_type=jnp.float32) * scale
   if bias is not None:
     s_bhqk = s_bhqk + bias.astype(jnp.float32)
@@ -128,7 +128,7 @@ def dropout_keep(rng: jax.Array, q_pos_q: jax.Array, k_pos_k: jax.Array, rate: f
   seed = jax.random.bits(rng, (2,), jnp.uint32)
   count_2qk = jnp.stack(jnp.broadcast_arrays(q_pos_q[:, None], k_pos_k[None, :])).astype(jnp.uint32)
   bits_qk = jax_random.threefry_2x32((seed[0], seed[1]), count_2qk)[0]
-  return (bits_qk >= jnp.uint32(min(round(rate * 2 ** 32), 2 ** 32 - 1)))[None, None]
+  return (bits_qk >= jnp.uint32(min(round(rate * 2**32), 2**32 - 1)))[None, None]
 
 
 def drop(a_bhqk: jax.Array, keep_11qk: jax.Array, rate: float) -> jax.Array:
@@ -151,9 +151,8 @@ def apply_value_network(a_bhqk: jax.Array, v_bkhd: jax.Array, *, value_network: 
                    f"choose one of: {', '.join(VALUE_NETWORKS)}")
 
 
-def normalized_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, *, normalization: str,
-                      causal: bool = True, segment_ids: jax.Array | None = None,
-                      bias: jax.Array | None = None) -> jax.Array:
+def normalized_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, *, normalization: str, causal: bool = True,
+                      segment_ids: jax.Array | None = None, bias: jax.Array | None = None) -> jax.Array:
   """Steps 1-2, for evaluation (the latent codes): a_bhqk in float32. For a (q, k) pair, a[:, :, q, k]
   across heads is the pair's latent code; masked entries are exactly 0 in every normalisation."""
   mask = attention_mask(q_bqhd.shape[1], k_bkhd.shape[1], causal=causal, segment_ids=segment_ids)
@@ -164,8 +163,8 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: Knobs, causal:
               segment_ids: jax.Array | None, bias: jax.Array | None, dropout_rate: float,
               dropout_rng: jax.Array | None) -> jax.Array:
   """The definition with einsums: [b, h, t, t] scores and, for the hypernetwork, z as [b, t, t, d]."""
-  a_bhqk = normalized_scores(q, k, normalization=knobs.normalization, causal=causal,
-                             segment_ids=segment_ids, bias=bias)
+  a_bhqk = normalized_scores(q, k, normalization=knobs.normalization, causal=causal, segment_ids=segment_ids,
+                             bias=bias)
   if dropout_rate:
     keep_11qk = dropout_keep(dropout_rng, jnp.arange(q.shape[1]), jnp.arange(k.shape[1]), dropout_rate)
     a_bhqk = drop(a_bhqk, keep_11qk, dropout_rate)

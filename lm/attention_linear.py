@@ -25,7 +25,7 @@ def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax
   pad = ((0, 0), (0, N * C - T), (0, 0), (0, 0))
   q_bnchd, k_bnchd, v_bnchd = (jnp.pad(x, pad).reshape(B, N, C, H, K) for x in (q, k, v))
   seg_bnc = jnp.pad(seg_bt, ((0, 0), (0, N * C - T)), constant_values=-1).reshape(B, N, C)
-  q_bnchd = q_bnchd * K ** -0.5
+  q_bnchd = q_bnchd * K**-0.5
   f32 = dict(preferred_element_type=jnp.float32)
 
   causal_qk = jnp.tril(jnp.ones((C, C), bool))

@@ -25,8 +25,8 @@ def attend_dot_product(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
   if segment_ids is not None:
     mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
   bias = _bias_4d(bias)
-  return jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype),
-                                      mask=mask, is_causal=causal)
+  return jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype), mask=mask,
+                                      is_causal=causal)
 
 
 def attend_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
@@ -59,5 +59,5 @@ def _pallas_local(q, k, v, causal, segment_ids, bias):
     bias = jnp.broadcast_to(bias, (B, H, T, k.shape[1])).astype(jnp.float32)
   segments = None if segment_ids is None else pallas_flash.SegmentIds(q=segment_ids, kv=segment_ids)
   out_bhtd = pallas_flash.flash_attention(q_bhtd, k_bhtd, v_bhtd, bias, segments, causal=causal,
-                                          sm_scale=q.shape[-1] ** -0.5)
+                                          sm_scale=q.shape[-1]**-0.5)
   return jnp.swapaxes(out_bhtd, 1, 2)

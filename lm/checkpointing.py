@@ -14,7 +14,6 @@ import json
 from typing import Any
 
 import jax
-
 import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
@@ -25,9 +24,8 @@ from lm import model as model_lib
 # Fields that may differ between the saved run and the resuming one: they change how the math is
 # computed or how long training runs, not what the saved arrays and data positions mean.
 MUTABLE_FIELDS = ("model.attention_impl", "model.remat", "model.dtype", "train.steps",
-                  "train.log_every_steps", "train.on_nonfinite", "eval", "checkpoint", "mesh",
-                  "data.dir", "data.tokenizer", "data.threads", "compilation_cache",
-                  "watchdog", "metrics")
+                  "train.log_every_steps", "train.on_nonfinite", "eval", "checkpoint", "mesh", "data.dir",
+                  "data.tokenizer", "data.threads", "compilation_cache", "watchdog", "metrics")
 
 
 class DataShards:
@@ -84,8 +82,8 @@ def differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
   def same(k):
     # Attention compares layer by layer: "hyla,softmax" over 4 layers is "hyla,softmax,hyla,softmax".
     if k == "model.attention" and k in old and k in new and "model.L" in old and "model.L" in new:
-      return (model_lib.layer_presets(old[k], old["model.L"])
-              == model_lib.layer_presets(new[k], new["model.L"]))
+      return (model_lib.layer_presets(old[k],
+                                      old["model.L"]) == model_lib.layer_presets(new[k], new["model.L"]))
     return old.get(k) == new.get(k)
 
   return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if not mutable(k) and not same(k)]
@@ -95,9 +93,9 @@ def check_compatible(saved: dict, current: dict) -> None:
   """Raises naming every field whose change would make the saved state mean something else."""
   diffs = [f"{k}: checkpoint has {a!r}, config has {b!r}" for k, a, b in differences(saved, current)]
   if diffs:
-    raise ValueError("the config does not match the checkpoint it would resume from:\n  "
-                     + "\n  ".join(diffs)
-                     + "\nuse a new --workdir, or set these fields back to the checkpoint's values")
+    raise ValueError("the config does not match the checkpoint it would resume from:\n  " +
+                     "\n  ".join(diffs) +
+                     "\nuse a new --workdir, or set these fields back to the checkpoint's values")
 
 
 class DamagedCheckpointError(ValueError):
@@ -109,10 +107,10 @@ class Checkpointer:
 
   def __init__(self, workdir: str | epath.Path, cfg: ml_collections.ConfigDict):
     self.directory = _directory(workdir)
-    options = ocp.CheckpointManagerOptions(
-        save_interval_steps=cfg.every_steps, max_to_keep=cfg.keep,
-        keep_period=cfg.keep_every or None, enable_async_checkpointing=cfg.use_async,
-        create=True, cleanup_tmp_directories=True)
+    options = ocp.CheckpointManagerOptions(save_interval_steps=cfg.every_steps, max_to_keep=cfg.keep,
+                                           keep_period=cfg.keep_every or None,
+                                           enable_async_checkpointing=cfg.use_async, create=True,
+                                           cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(_directory(workdir), options=options,
                                          item_names=("state", "data", "config"))
 
@@ -148,9 +146,10 @@ class Checkpointer:
   def save(self, step: int, state, data: DataShards, config: ml_collections.ConfigDict,
            force: bool = False) -> bool:
     """Starts a save when the interval says so (or force); returns whether it did."""
-    return self.manager.save(step, force=force, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=DataShardsSave(data),
-        config=ocp.args.JsonSave(config.to_dict())))
+    return self.manager.save(
+        step, force=force,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=DataShardsSave(data),
+                                config=ocp.args.JsonSave(config.to_dict())))
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -159,15 +158,18 @@ class Checkpointer:
     self.manager.close()
 
 
-def load(workdir: str, step: int | None = None, abstract_state: Any = None,
-         ) -> tuple[ml_collections.ConfigDict, Any]:
+def load(
+    workdir: str,
+    step: int | None = None,
+    abstract_state: Any = None,
+) -> tuple[ml_collections.ConfigDict, Any]:
   """The saved config and the model parameters of the latest or given step: host-local arrays, or
   sharded as `abstract_state` says (ShapeDtypeStructs with shardings, from the saved config's
   Experiment; see `saved_config`)."""
   step, config = saved_config(workdir, step)
   manager = _reader(workdir)
-  state = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract_state)))["state"]
+  state = manager.restore(step,
+                          args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
   manager.close()
   return config, state.params if abstract_state is not None else state["params"]
 

@@ -18,7 +18,7 @@ which sets up the rest:
 
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from absl import app, flags, logging
@@ -44,11 +44,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
     while e.args and isinstance(e.args[0], BaseException):  # ml_collections wraps its KeyError
       e = e.args[0]
     lines = str(e.args[0] if e.args else e).splitlines()
-    raise SystemExit(f"{command}: no config field {lines[0]} (from a --config.* override)"
-                     + "".join(f"; {line.strip()}" for line in lines[1:])) from None
+    raise SystemExit(f"{command}: no config field {lines[0]} (from a --config.* override)" +
+                     "".join(f"; {line.strip()}" for line in lines[1:])) from None
   except OSError as e:  # the config file: config_flags lists every path it tried, the cause last
-    raise SystemExit(f"{command}: cannot load --config: {str(e).strip().splitlines()[-1].strip()}"
-                     ) from None
+    raise SystemExit(f"{command}: cannot load --config: {str(e).strip().splitlines()[-1].strip()}") from None
 
 
 def run(main: Callable[[list[str]], None], module: str) -> None:

@@ -2,7 +2,8 @@
 
 import functools
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -74,8 +75,8 @@ class Experiment:
     inputs = self.task.example()["inputs"][:1]
     init_rng, train_rng = jax.random.split(rng)
     params = self.model.init(init_rng, inputs)["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=self.optimizer.init(params), rng=jax.random.key_data(train_rng))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params),
+                      rng=jax.random.key_data(train_rng))
 
   def _init(self, rng: jax.Array) -> TrainState:
     return nn.meta.unbox(self._init_boxed(rng))
@@ -87,8 +88,8 @@ class Experiment:
 
   def abstract_sharded_state(self) -> TrainState:
     """ShapeDtypeStructs with shardings: the restore target and the AOT-compile argument."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        self.abstract_state, self.state_shardings)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.abstract_state,
+                        self.state_shardings)
 
   def apply(self, params, batch, **kw):
     return self.model.apply({"params": params}, batch["inputs"], positions_bt=batch.get("positions"),
@@ -97,8 +98,8 @@ class Experiment:
   def _weighted_loss(self, params, batch, rng):
     """The task's mean loss times its weight: summed over microbatches, then divided by the summed
     weight, it gives the mean over the whole batch."""
-    mean, weight = self.task.loss(
-        self.apply(params, batch, deterministic=False, rngs={"dropout": rng}), batch)
+    mean, weight = self.task.loss(self.apply(params, batch, deterministic=False, rngs={"dropout": rng}),
+                                  batch)
     return mean * weight, (mean, weight)
 
   def _grads(self, params, batch, rng):
@@ -123,6 +124,7 @@ class Experiment:
 
   @functools.cached_property
   def _train_step(self):
+
     def step(state: TrainState, batch):
       rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
       loss, weight, grads = self._grads(state.params, batch, rng)
@@ -133,9 +135,15 @@ class Experiment:
       # A non-finite step leaves the state as it was, so a NaN can never reach a checkpoint.
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       kept = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
-      stats = {"loss": loss, "grad_norm": grad_norm, "weight": weight, "finite": finite,
-               "lr": optimizer_lib.schedule(self.config.train)(state.step)}
+      stats = {
+          "loss": loss,
+          "grad_norm": grad_norm,
+          "weight": weight,
+          "finite": finite,
+          "lr": optimizer_lib.schedule(self.config.train)(state.step)
+      }
       return kept.replace(step=state.step + 1), stats
+
     return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                    out_shardings=(self.state_shardings, None), donate_argnums=0)
 
@@ -146,8 +154,10 @@ class Experiment:
   def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
     """A global training batch as abstract arrays sharded like real ones; no data is read."""
     rows = self.config.train.batch_size
-    return {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype, sharding=self.batch_sharding)
-            for k, v in self.task.example().items()}
+    return {
+        k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype, sharding=self.batch_sharding)
+        for k, v in self.task.example().items()
+    }
 
   def lower_train_step(self):
     """The train step for abstract state and batch: ahead-of-time compilation for devices that
@@ -162,8 +172,7 @@ class Experiment:
 
   def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Host-local rows → one global array per field, sharded over the batch axes."""
-    return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
-            for k, v in local.items()}
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local.items()}
 
   def eval_sets(self, final: bool = False) -> dict[str, Callable[[], Iterator[dict[str, np.ndarray]]]]:
     """This process's share of every evaluation set: the same batches on every call. `final`: the
@@ -175,10 +184,13 @@ class Experiment:
     """The task's metrics over every batch of a set. Per-batch sums stay on device until the end,
     so the host dispatches the whole set without waiting; they are added (moments merged) in float64."""
     with jax.set_mesh(self.mesh):
-      per_batch = jax.device_get([self._eval_step(params, self.global_batch(b))
-                                  for b in _until_all_done(batches)])
-    sums = {k: stats.merge_all([b[k] for b in per_batch]) if isinstance(v, stats.Moments)
-            else float(np.sum([np.float64(b[k]) for b in per_batch])) for k, v in per_batch[0].items()}
+      per_batch = jax.device_get(
+          [self._eval_step(params, self.global_batch(b)) for b in _until_all_done(batches)])
+    sums = {
+        k:
+            stats.merge_all([b[k] for b in per_batch]) if isinstance(v, stats.Moments) else float(
+                np.sum([np.float64(b[k]) for b in per_batch])) for k, v in per_batch[0].items()
+    }
     return self.task.summarize(sums)
 
 

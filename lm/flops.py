@@ -10,9 +10,16 @@ from lm.model import ModelConfig
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
 PEAK_FLOPS = {
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12,
-    "TPU v5p": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,
-    "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5": 459e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100": 312e12,
 }
 
 
@@ -23,8 +30,8 @@ def flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int) -> float:
   does, whatever the mask skips."""
   # The input embedding is a lookup, not a matmul (unless tied: then it is also the output layer).
   embedding = cfg.V * cfg.D if not (cfg.input_dim or cfg.tied_embeddings) else 0
-  attention = 3 * seq_len * sum(attention_core.pair_flops(cfg.layer_knobs(layer), cfg.qkv_dim or cfg.D)
-                                for layer in range(cfg.L))
+  attention = 3 * seq_len * sum(
+      attention_core.pair_flops(cfg.layer_knobs(layer), cfg.qkv_dim or cfg.D) for layer in range(cfg.L))
   return 6 * (num_params - embedding) + attention
 
 
@@ -38,7 +45,7 @@ def measured_cpu_peak(seconds: float = 0.5) -> float:
   while time.perf_counter() - start < seconds:
     matmul(a).block_until_ready()
     runs += 1
-  return 2 * n ** 3 * runs / (time.perf_counter() - start)
+  return 2 * n**3 * runs / (time.perf_counter() - start)
 
 
 def peak_flops(devices) -> float | None:
@@ -47,6 +54,6 @@ def peak_flops(devices) -> float | None:
   if devices[0].platform == "cpu":
     # Simulated CPU devices share the host's cores: the host's peak is the peak of them all.
     return measured_cpu_peak()
-  peak = next((v for k, v in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0]))
-               if kind.startswith(k)), None)
+  peak = next((v for k, v in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])) if kind.startswith(k)),
+              None)
   return None if peak is None else peak * len(devices)

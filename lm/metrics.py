@@ -56,8 +56,8 @@ class Writer:
 class Progress:
   """step, loss, tokens/s, MFU and ETA, measured between successive reports."""
 
-  def __init__(self, total_steps: int, tokens_per_step: int, start_step: int,
-               flops_per_token: float, peak_flops: float | None):
+  def __init__(self, total_steps: int, tokens_per_step: int, start_step: int, flops_per_token: float,
+               peak_flops: float | None):
     self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
     self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
     self.last_step, self.last_time = start_step, None

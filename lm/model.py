@@ -20,26 +20,26 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  V: int                      # vocabulary size, or number of output classes / regression targets
+  V: int  # vocabulary size, or number of output classes / regression targets
   D: int = 128
   H: int = 4
   L: int = 2
   F: int = 512
-  qkv_dim: int = 0            # total q/k/v width over heads; 0 means D (K = qkv_dim / H)
+  qkv_dim: int = 0  # total q/k/v width over heads; 0 means D (K = qkv_dim / H)
   attention: str = "softmax"  # a name in lm.attention.PRESETS, or one per layer (see layer_presets)
-  attention_impl: str = "auto"      # a name in lm.attention.IMPLS; auto picks the fastest per platform
+  attention_impl: str = "auto"  # a name in lm.attention.IMPLS; auto picks the fastest per platform
   attention_dropout: float = 0.0
   causal: bool = True
   positions: str = "rotary"
-  max_len: int = 2048         # learned positions only
+  max_len: int = 2048  # learned positions only
   rope_base: float = 10_000.0
   relative_buckets: int = 32
   relative_max_distance: int = 128
-  relative_bidirectional: bool = True   # False: later keys share the query's bucket 0 (the paper's code)
+  relative_bidirectional: bool = True  # False: later keys share the query's bucket 0 (the paper's code)
   relative_bias_per_layer: bool = False  # one bias table per layer (the paper's code) or one shared (T5)
   tied_embeddings: bool = False
-  input_dim: int = 0          # >0: inputs are float vectors of this width instead of token ids
-  dtype: str = "float32"      # compute dtype; parameters stay float32
+  input_dim: int = 0  # >0: inputs are float vectors of this width instead of token ids
+  dtype: str = "float32"  # compute dtype; parameters stay float32
   remat: bool = False
 
   def __post_init__(self):
@@ -109,7 +109,7 @@ def _layer_norm(dtype, name: str) -> nn.LayerNorm:
 def rotary(x_bthk: jax.Array, positions_bt: jax.Array, base: float) -> jax.Array:
   """Rotates pairs (x[i], x[i + K/2]) by angle position / base^(2i/K)."""
   half = x_bthk.shape[-1] // 2
-  freq_k = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  freq_k = base**(-jnp.arange(half, dtype=jnp.float32) / half)
   angle_bt1k = positions_bt[:, :, None, None].astype(jnp.float32) * freq_k
   sin, cos = jnp.sin(angle_bt1k), jnp.cos(angle_bt1k)
   x1, x2 = jnp.split(x_bthk.astype(jnp.float32), 2, axis=-1)
@@ -130,9 +130,8 @@ def relative_bucket(relative_bqk: jax.Array, *, bidirectional: bool, num_buckets
     bucket = jnp.where(relative_bqk > 0, num_buckets, 0)
     n = jnp.abs(relative_bqk)
   max_exact = num_buckets // 2
-  log_bucket = max_exact + (
-      jnp.log(jnp.maximum(n, 1) / max_exact) / math.log(max_distance / max_exact)
-      * (num_buckets - max_exact)).astype(jnp.int32)
+  log_bucket = max_exact + (jnp.log(jnp.maximum(n, 1) / max_exact) / math.log(max_distance / max_exact) *
+                            (num_buckets - max_exact)).astype(jnp.int32)
   log_bucket = jnp.minimum(log_bucket, num_buckets - 1)
   return bucket + jnp.where(n < max_exact, n, log_bucket)
 
@@ -148,9 +147,9 @@ class Attention(nn.Module):
   def __call__(self, x_btd, positions_bt, segment_ids_bt, bias_bhqk):
     cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
     D, H, K = cfg.D, cfg.H, cfg.K
-    init = _init(D ** -0.5, "embed", "heads", None)
+    init = _init(D**-0.5, "embed", "heads", None)
     w = {n: self.param(n, init, (D, H, K)).astype(dtype) for n in ("wq", "wk", "wv")}
-    wo_hkd = self.param("wo", _init((H * K * 2 * cfg.L) ** -0.5, "heads", None, "embed"),
+    wo_hkd = self.param("wo", _init((H * K * 2 * cfg.L)**-0.5, "heads", None, "embed"),
                         (H, K, D)).astype(dtype)
     q_bthk, k_bthk, v_bthk = (jnp.einsum("btd,dhk->bthk", x_btd, w[n]) for n in ("wq", "wk", "wv"))
     if cfg.positions == "rotary":
@@ -158,15 +157,16 @@ class Attention(nn.Module):
       k_bthk = rotary(k_bthk, positions_bt, cfg.rope_base)
     knobs = cfg.layer_knobs(self.layer)
     if self.is_mutable_collection("codes"):
-      self.sow("codes", "a_bhqk", attention.normalized_scores(
-          q_bthk, k_bthk, normalization=knobs.normalization, causal=cfg.causal,
-          segment_ids=segment_ids_bt, bias=bias_bhqk))
+      self.sow(
+          "codes", "a_bhqk",
+          attention.normalized_scores(q_bthk, k_bthk, normalization=knobs.normalization, causal=cfg.causal,
+                                      segment_ids=segment_ids_bt, bias=bias_bhqk))
     dropout = 0.0 if self.deterministic else cfg.attention_dropout
-    out_bthk = attention.attend(
-        q_bthk, k_bthk, v_bthk, normalization=knobs.normalization, value_network=knobs.value_network,
-        nonlinearity=knobs.nonlinearity, causal=cfg.causal, segment_ids=segment_ids_bt, bias=bias_bhqk,
-        impl=cfg.attention_impl, dropout_rate=dropout,
-        dropout_rng=self.make_rng("dropout") if dropout else None)
+    out_bthk = attention.attend(q_bthk, k_bthk, v_bthk, normalization=knobs.normalization,
+                                value_network=knobs.value_network, nonlinearity=knobs.nonlinearity,
+                                causal=cfg.causal, segment_ids=segment_ids_bt, bias=bias_bhqk,
+                                impl=cfg.attention_impl, dropout_rate=dropout,
+                                dropout_rng=self.make_rng("dropout") if dropout else None)
     return jnp.einsum("bthk,hkd->btd", out_bthk, wo_hkd)
 
 
@@ -176,9 +176,8 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x_btd):
     cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
-    wi_df = self.param("wi", _init(cfg.D ** -0.5, "embed", "mlp"), (cfg.D, cfg.F)).astype(dtype)
-    wo_fd = self.param("wo", _init((cfg.F * 2 * cfg.L) ** -0.5, "mlp", "embed"),
-                       (cfg.F, cfg.D)).astype(dtype)
+    wi_df = self.param("wi", _init(cfg.D**-0.5, "embed", "mlp"), (cfg.D, cfg.F)).astype(dtype)
+    wo_fd = self.param("wo", _init((cfg.F * 2 * cfg.L)**-0.5, "mlp", "embed"), (cfg.F, cfg.D)).astype(dtype)
     return jax.nn.gelu(x_btd @ wi_df) @ wo_fd
 
 
@@ -190,8 +189,8 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x_btd, positions_bt, segment_ids_bt, bias_bhqk):
     dtype = DTYPES[self.cfg.dtype]
-    x_btd = x_btd + Attention(self.cfg, self.layer, self.deterministic, name="attn")(
-        _layer_norm(dtype, "ln_attn")(x_btd), positions_bt, segment_ids_bt, bias_bhqk)
+    x_btd = x_btd + Attention(self.cfg, self.layer, self.deterministic, name="attn")(_layer_norm(
+        dtype, "ln_attn")(x_btd), positions_bt, segment_ids_bt, bias_bhqk)
     return x_btd + Mlp(self.cfg, name="mlp")(_layer_norm(dtype, "ln_mlp")(x_btd))
 
 
@@ -208,7 +207,7 @@ class Transformer(nn.Module):
     if not explicit_positions:
       positions_bt = jnp.broadcast_to(jnp.arange(T), (B, T))
     if cfg.input_dim:
-      w_id = self.param("input_proj", _init(cfg.input_dim ** -0.5, None, "embed"), (cfg.input_dim, cfg.D))
+      w_id = self.param("input_proj", _init(cfg.input_dim**-0.5, None, "embed"), (cfg.input_dim, cfg.D))
       x_btd = inputs.astype(dtype) @ w_id.astype(dtype)
     else:
       embed_vd = self.param("embed", _init(1.0, "vocab", "embed"), (cfg.V, cfg.D))
@@ -223,8 +222,7 @@ class Transformer(nn.Module):
       pos_bt = positions_bt if explicit_positions else positions_bt[:1]
       bucket_bqk = relative_bucket(pos_bt[:, None, :] - pos_bt[:, :, None],
                                    bidirectional=cfg.relative_bidirectional and not cfg.causal,
-                                   num_buckets=cfg.relative_buckets,
-                                   max_distance=cfg.relative_max_distance)
+                                   num_buckets=cfg.relative_buckets, max_distance=cfg.relative_max_distance)
       # A few numbers per head: replicated.
       relative_bias = lambda name: jnp.moveaxis(
           self.param(name, _init(0.02, None, None), (cfg.relative_buckets, cfg.H))[bucket_bqk], -1, 1)
@@ -239,9 +237,9 @@ class Transformer(nn.Module):
       x_btd = sharding.constrain_batch(x_btd)
     x_btd = _layer_norm(dtype, "ln_final")(x_btd)
     if cfg.tied_embeddings and not cfg.input_dim:
-      out_btv = x_btd @ embed_vd.astype(dtype).T * cfg.D ** -0.5
+      out_btv = x_btd @ embed_vd.astype(dtype).T * cfg.D**-0.5
     else:
-      out_btv = x_btd @ self.param("unembed", _init(cfg.D ** -0.5, "embed", "vocab"),
+      out_btv = x_btd @ self.param("unembed", _init(cfg.D**-0.5, "embed", "vocab"),
                                    (cfg.D, cfg.V)).astype(dtype)
     return out_btv.astype(jnp.float32)
 

@@ -17,9 +17,9 @@ def schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:
   if name not in SCHEDULES:
     raise ValueError(f"unknown train.schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
   end = cfg.steps - (cfg.warmup_steps if name == "cosine_paper_code" else 0)
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
-      decay_steps=max(end, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.end_lr_frac)
+  return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+                                            decay_steps=max(end, cfg.warmup_steps + 1),
+                                            end_value=cfg.lr * cfg.end_lr_frac)
 
 
 def make(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -27,5 +27,7 @@ def make(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
   are not decayed."""
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   clip = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-  return optax.chain(*clip, optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                                        weight_decay=cfg.weight_decay, mask=decay_mask))
+  return optax.chain(
+      *clip,
+      optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                  mask=decay_mask))

@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -40,19 +40,25 @@ class WorkdirError(Exception):
 
 def _me(lease_seconds: float | None = None) -> dict:
   now = time.time()
-  return {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "renewed": now,
-          "lease_seconds": lease_seconds, "processes": jax.process_count()}
+  return {
+      "host": socket.gethostname(),
+      "pid": os.getpid(),
+      "started": now,
+      "renewed": now,
+      "lease_seconds": lease_seconds,
+      "processes": jax.process_count()
+  }
 
 
 def _stamp(t: float) -> str:
-  return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+  return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _in_use(workdir, owner: dict | None, release: str) -> WorkdirError:
   who = ("another job (it has not written its details yet)" if owner is None else
          f"another job: host {owner['host']}, pid {owner['pid']}, started {_stamp(owner['started'])}")
   return WorkdirError(f"{workdir} is in use by {who}. Wait for that job to end or stop it, or choose "
-               f"another --workdir; {release}")
+                      f"another --workdir; {release}")
 
 
 class LocalLock:
@@ -115,14 +121,16 @@ class Lease:
       # The owner's lease, not ours: a job started with a shorter one must not cut it short.
       silent, lease = time.time() - owner["renewed"], owner["lease_seconds"]
       if silent < lease:
-        raise _in_use(self.workdir, owner, f"its lease was renewed {silent:.0f}s ago; a job that dies "
-                      f"releases the workdir {lease:.0f}s after its last renewal.")
+        raise _in_use(
+            self.workdir, owner, f"its lease was renewed {silent:.0f}s ago; a job that dies "
+            f"releases the workdir {lease:.0f}s after its last renewal.")
       try:
         self._write(current.generation)
       except self.taken:
         continue
-      print(f"took over {self.workdir} from host {owner['host']}, pid {owner['pid']}: its lease was "
-            f"last renewed {silent:.0f}s ago", file=sys.stderr, flush=True)
+      print(
+          f"took over {self.workdir} from host {owner['host']}, pid {owner['pid']}: its lease was "
+          f"last renewed {silent:.0f}s ago", file=sys.stderr, flush=True)
       return
     raise _in_use(self.workdir, None, "several jobs are contending for it.")
 
@@ -134,8 +142,8 @@ class Lease:
       except self.failed:
         # Another job took the lease after we failed to renew it for lease_seconds: it owns the
         # workdir now, and anything more this job wrote would mix with its files.
-        print(f"lm-train: lost the lease on {self.workdir} to another job; stopping at once",
-              file=sys.stderr, flush=True)
+        print(f"lm-train: lost the lease on {self.workdir} to another job; stopping at once", file=sys.stderr,
+              flush=True)
         os._exit(75)
       except Exception as e:  # a network hiccup: the next renewal retries, well within the lease
         print(f"warning: renewing the lease on {self.workdir} failed: {e}", file=sys.stderr, flush=True)

@@ -15,7 +15,8 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from absl import logging
 from etils import epath
@@ -32,7 +33,7 @@ PART_BYTES = 256 << 10  # bounds each rewrite (and the old copies a bucket's sof
 
 def start_stamp() -> str:
   """A name prefix that sorts in time order (the next writer on a resumed run sorts after)."""
-  return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+  return datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
 
 
 class RollingFile:
@@ -110,19 +111,22 @@ class EventLog(RollingFile):
     super().__init__(name, header=header, **kwargs)
 
   def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
-    scalars = [summary_pb2.Summary.Value(tag=f"{kind}/{k}", simple_value=v)
-               for k, v in values.items() if isinstance(v, numbers.Real)]
+    scalars = [
+        summary_pb2.Summary.Value(tag=f"{kind}/{k}", simple_value=v)
+        for k, v in values.items()
+        if isinstance(v, numbers.Real)
+    ]
     if scalars:
-      self.add(_record(event_pb2.Event(wall_time=time.time(), step=step,
-                                       summary=summary_pb2.Summary(value=scalars))))
+      self.add(
+          _record(
+              event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=scalars))))
 
 
 def _record(event: event_pb2.Event) -> bytes:
   """One event in TFRecord framing: length, its masked CRC-32C, the data, the data's CRC."""
   data = event.SerializeToString()
   header = struct.pack("<Q", len(data))
-  return (header + struct.pack("<I", masked_crc32c(header)) + data
-          + struct.pack("<I", masked_crc32c(data)))
+  return (header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data)))
 
 
 def log_files(workdir: str | epath.Path) -> list[epath.Path]:

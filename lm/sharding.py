@@ -55,14 +55,18 @@ def shardings(abstract_tree, mesh: Mesh, *, params):
   (parameters, and the optimiser state that mirrors them) get their mesh axes; the others (step,
   RNG, optimiser counters) are replicated. `params`, the parameters as the model created them, must
   declare every leaf."""
-  undeclared = [jax.tree_util.keystr(path) for path, x in
-                jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0] if not _is_box(x)]
+  undeclared = [
+      jax.tree_util.keystr(path)
+      for path, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0]
+      if not _is_box(x)
+  ]
   if undeclared:
     raise ValueError(f"parameter(s) {', '.join(undeclared)} declare no sharding; create each with an "
                      f"initializer wrapped in nn.with_logical_partitioning(init, roles), roles from "
                      f"{sorted(LOGICAL_TO_MESH)} or None (replicated), as lm/model.py does")
-  return jax.tree.map(lambda x: NamedSharding(mesh, _spec(x, mesh) if _is_box(x) else P()),
-                      abstract_tree, is_leaf=_is_box)
+  return jax.tree.map(lambda x: NamedSharding(mesh,
+                                              _spec(x, mesh)
+                                              if _is_box(x) else P()), abstract_tree, is_leaf=_is_box)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -7,7 +7,8 @@ variance when the mean is large next to the spread. The same numbers serve a tok
 evaluation (one Moments per batch, merged in float64) and a mean over seeds (`mean_stderr`).
 """
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,20 +25,20 @@ class Moments(NamedTuple):
     count = w.sum(axis)
     mean = (w * x).sum(axis) / xp.maximum(count, 1e-30)
     centred = x - (mean if axis is None else xp.expand_dims(mean, axis))
-    return cls(count, mean, (w * centred ** 2).sum(axis))
+    return cls(count, mean, (w * centred**2).sum(axis))
 
   @classmethod
   def from_sums(cls, total, total_sq, count) -> "Moments":
     """From Σx, Σx² and n; exact only while Σx² is not much larger than the spread (values of
     order one), so prefer `of` and `merge` where the values are at hand."""
     mean = total / max(count, 1e-30)
-    return cls(count, mean, max(total_sq - count * mean ** 2, 0.0))
+    return cls(count, mean, max(total_sq - count * mean**2, 0.0))
 
   def merge(self, other: "Moments") -> "Moments":
     n = self.count + other.count
     frac = other.count / np.maximum(n, 1e-30)
     delta = other.mean - self.mean
-    return Moments(n, self.mean + delta * frac, self.m2 + other.m2 + delta ** 2 * self.count * frac)
+    return Moments(n, self.mean + delta * frac, self.m2 + other.m2 + delta**2 * self.count * frac)
 
   @property
   def stderr(self):

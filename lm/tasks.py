@@ -14,7 +14,8 @@ Model inputs come from `batch["inputs"]` and, when present, `batch["positions"]`
 
 import functools
 import math
-from typing import Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import grain
 import jax
@@ -32,18 +33,24 @@ class Task(Protocol):
   name: str
   seq_len: int  # positions per row: what throughput and token budgets count
 
-  def train_iterator(self, shard: pipeline.Shard, rows: int) -> grain.DatasetIterator: ...
+  def train_iterator(self, shard: pipeline.Shard, rows: int) -> grain.DatasetIterator:
+    ...
 
   def eval_sets(self, shard: pipeline.Shard, rows: int,
-                final: bool = False) -> dict[str, Callable[[], Iterator[Batch]]]: ...
+                final: bool = False) -> dict[str, Callable[[], Iterator[Batch]]]:
+    ...
 
-  def loss(self, outputs: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]: ...
+  def loss(self, outputs: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    ...
 
-  def eval_sums(self, outputs: jax.Array, batch: dict[str, jax.Array]) -> dict[str, jax.Array]: ...
+  def eval_sums(self, outputs: jax.Array, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    ...
 
-  def summarize(self, sums: dict[str, float]) -> dict[str, float]: ...
+  def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+    ...
 
-  def example(self) -> Batch: ...
+  def example(self) -> Batch:
+    ...
 
 
 def token_nll(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
@@ -54,7 +61,7 @@ def token_nll(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
 
 def position_buckets(seq_len: int) -> list[int]:
   """First position of each bucket of positions in the context: 0, 1, 2, 4, 8, ... (powers of two)."""
-  return [0] + [2 ** k for k in range((seq_len - 1).bit_length())]
+  return [0] + [2**k for k in range((seq_len - 1).bit_length())]
 
 
 class LanguageModeling:
@@ -74,14 +81,14 @@ class LanguageModeling:
   def example(self):
     # The pipeline's own conversion of an all-padding packed row: the fields of every real batch.
     row = np.zeros((1, self.seq_len + 1), np.int32)
-    return pipeline.to_model_batch(
-        {"inputs": row, "inputs_segment_ids": row, "inputs_positions": row})
+    return pipeline.to_model_batch({"inputs": row, "inputs_segment_ids": row, "inputs_positions": row})
 
   def train_iterator(self, shard, rows):
     d = self.config.data
-    return iter(pipeline.train_dataset(
-        self.data.train, self.data.tokenizer, seq_len=d.seq_len, batch_size=rows,
-        seed=self.config.seed, shard=shard, packing_bins=d.packing_bins, threads=d.threads))
+    return iter(
+        pipeline.train_dataset(self.data.train, self.data.tokenizer, seq_len=d.seq_len, batch_size=rows,
+                               seed=self.config.seed, shard=shard, packing_bins=d.packing_bins,
+                               threads=d.threads))
 
   @functools.cached_property
   def validation_bytes(self) -> int:
@@ -90,9 +97,12 @@ class LanguageModeling:
   def eval_sets(self, shard, rows, final=False):
     del final  # the whole validation split every time
     d, data = self.config.data, self.data  # missing data fails here, not at the first evaluation
-    return {"validation": lambda: iter(pipeline.eval_dataset(
-        data.validation, data.tokenizer, seq_len=d.seq_len, batch_size=rows, shard=shard,
-        packing_bins=d.packing_bins, threads=d.threads))}
+    return {
+        "validation":
+            lambda: iter(
+                pipeline.eval_dataset(data.validation, data.tokenizer, seq_len=d.seq_len, batch_size=rows,
+                                      shard=shard, packing_bins=d.packing_bins, threads=d.threads))
+    }
 
   def loss(self, outputs, batch):
     weights_bt = batch["weights"]
@@ -104,26 +114,37 @@ class LanguageModeling:
     # Bucket k holds positions [2^(k-1), 2^k): its index is the position's bit length.
     bucket_bt = 32 - jax.lax.clz(batch["positions"].astype(jnp.int32))
     in_bucket_btn = jax.nn.one_hot(bucket_bt, len(position_buckets(self.seq_len))) * weights_bt[..., None]
-    return {"nll": stats.Moments.of(nll_bt, weights_bt, xp=jnp),
-            "nll_by_position": stats.Moments.of(nll_bt[..., None], in_bucket_btn, axis=(0, 1), xp=jnp)}
+    return {
+        "nll": stats.Moments.of(nll_bt, weights_bt, xp=jnp),
+        "nll_by_position": stats.Moments.of(nll_bt[..., None], in_bucket_btn, axis=(0, 1), xp=jnp)
+    }
 
   def summarize(self, sums):
     nll, by_position = sums["nll"], sums["nll_by_position"]
     n, mean = float(nll.count), float(nll.mean)
-    result = {"loss": mean, "loss_stderr": float(nll.stderr), "perplexity": math.exp(mean),
-              "bits_per_byte": mean * n / math.log(2) / self.validation_bytes, "tokens": int(n),
-              "loss_by_position": {
-                  "first_position": position_buckets(self.seq_len),
-                  "loss": [float(m) if c else None for m, c in zip(by_position.mean, by_position.count)],
-                  "stderr": [float(s) if c > 1 else None for s, c in zip(by_position.stderr, by_position.count)],
-                  "tokens": by_position.count.astype(int).tolist()}}
+    result = {
+        "loss": mean,
+        "loss_stderr": float(nll.stderr),
+        "perplexity": math.exp(mean),
+        "bits_per_byte": mean * n / math.log(2) / self.validation_bytes,
+        "tokens": int(n),
+        "loss_by_position": {
+            "first_position": position_buckets(self.seq_len),
+            "loss": [float(m) if c else None for m, c in zip(by_position.mean, by_position.count)],
+            "stderr": [float(s) if c > 1 else None for s, c in zip(by_position.stderr, by_position.count)],
+            "tokens": by_position.count.astype(int).tolist()
+        }
+    }
     if self.data.unigram_perplexity is not None:
       result["unigram_perplexity"] = self.data.unigram_perplexity
     return result
 
 
-TASKS = {"lm": LanguageModeling, "sraven": tasks_compositional.Sraven,
-         "fuzzy_logic": tasks_compositional.FuzzyLogic}
+TASKS = {
+    "lm": LanguageModeling,
+    "sraven": tasks_compositional.Sraven,
+    "fuzzy_logic": tasks_compositional.FuzzyLogic
+}
 
 
 def build(config: ml_collections.ConfigDict, vocab_size: int) -> Task:

@@ -21,13 +21,13 @@ import numpy as np
 from data_pipelines import fuzzy_logic, pipeline, sraven
 from lm import stats
 
-EVAL_STEP0 = 2 ** 40
+EVAL_STEP0 = 2**40
 R2_MIN_VAR = 1e-6  # sequences whose targets barely vary would dominate the mean R²; floor their variance
 
 
 def generated(sample, shard: pipeline.Shard, rows: int) -> grain.DatasetIterator:
   """An endless grain iterator of `sample(step, rows)` over this shard's steps."""
-  ds = grain.MapDataset.range(2 ** 62).map(lambda i: sample(i * shard.count + shard.index, rows))
+  ds = grain.MapDataset.range(2**62).map(lambda i: sample(i * shard.count + shard.index, rows))
   return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
 
 
@@ -51,17 +51,24 @@ def sraven_sums(logits_bfv: jax.Array, targets_bf: jax.Array) -> dict[str, jax.A
   logp_bfv = jax.nn.log_softmax(logits_bfv.astype(jnp.float32))
   nll_bf = -jnp.take_along_axis(logp_bfv, targets_bf[..., None], axis=-1)[..., 0]
   right_bf = jnp.argmax(logits_bfv, axis=-1) == targets_bf
-  return {"examples": jnp.float32(targets_bf.shape[0]), "nll": nll_bf.mean(-1).sum(),
-          "correct": right_bf.all(-1).sum().astype(jnp.float32),
-          "features_correct": right_bf.mean(-1).sum()}
+  return {
+      "examples": jnp.float32(targets_bf.shape[0]),
+      "nll": nll_bf.mean(-1).sum(),
+      "correct": right_bf.all(-1).sum().astype(jnp.float32),
+      "features_correct": right_bf.mean(-1).sum()
+  }
 
 
 def fuzzy_sums(pred_b: jax.Array, targets_b: jax.Array, target_var_b: jax.Array) -> dict[str, jax.Array]:
   """Sums over a batch: sequences, squared error, R² = 1 - err² / var(targets of the sequence)."""
-  err2_b = (pred_b.astype(jnp.float32) - targets_b) ** 2
+  err2_b = (pred_b.astype(jnp.float32) - targets_b)**2
   r2_b = 1.0 - err2_b / jnp.maximum(target_var_b, R2_MIN_VAR)
-  return {"examples": jnp.float32(targets_b.shape[0]), "sq_err": err2_b.sum(), "r2": r2_b.sum(),
-          "r2_sq": (r2_b ** 2).sum()}
+  return {
+      "examples": jnp.float32(targets_b.shape[0]),
+      "sq_err": err2_b.sum(),
+      "r2": r2_b.sum(),
+      "r2_sq": (r2_b**2).sum()
+  }
 
 
 class Sraven:
@@ -79,8 +86,8 @@ class Sraven:
 
   def sample(self, seed: int, step: int, rows: int, split: str) -> dict[str, np.ndarray]:
     d = self.config.data
-    b = sraven.sample_batch(seed, step, rows, split, split_seed=split_seed(self.config),
-                            frac_ood=d.frac_ood, permute_features=d.permute_features)
+    b = sraven.sample_batch(seed, step, rows, split, split_seed=split_seed(self.config), frac_ood=d.frac_ood,
+                            permute_features=d.permute_features)
     return {"inputs": b["inputs_btv"], "targets": b["targets_bf"]}
 
   def train_iterator(self, shard, rows):
@@ -91,9 +98,11 @@ class Sraven:
 
   def eval_sets(self, shard, rows, final=False):
     # "test": fresh instances of the training tasks; "ood": the held-out tasks (the headline).
-    return {split: eval_batches(lambda step, n, s=split: self.sample(self.config.seed, step, n, s),
-                                shard, rows, num_eval_batches(self.config, final))
-            for split in ("test", "ood")}
+    return {
+        split:
+            eval_batches(lambda step, n, s=split: self.sample(self.config.seed, step, n, s), shard, rows,
+                         num_eval_batches(self.config, final)) for split in ("test", "ood")
+    }
 
   def loss(self, outputs, batch):
     sums = sraven_sums(outputs[:, -sraven.NUM_FEATURES:], batch["targets"])
@@ -104,9 +113,13 @@ class Sraven:
 
   def summarize(self, sums):
     n, p = sums["examples"], sums["correct"] / max(sums["examples"], 1.0)
-    return {"accuracy": p, "accuracy_stderr": math.sqrt(p * (1 - p) / max(n, 1.0)),
-            "feature_accuracy": sums["features_correct"] / max(n, 1.0),
-            "loss": sums["nll"] / max(n, 1.0), "examples": int(n)}
+    return {
+        "accuracy": p,
+        "accuracy_stderr": math.sqrt(p * (1 - p) / max(n, 1.0)),
+        "feature_accuracy": sums["features_correct"] / max(n, 1.0),
+        "loss": sums["nll"] / max(n, 1.0),
+        "examples": int(n)
+    }
 
 
 class FuzzyLogic:
@@ -126,8 +139,7 @@ class FuzzyLogic:
   def sample(self, seed: int, step: int, rows: int, split: str) -> dict[str, np.ndarray]:
     d = self.config.data
     b = fuzzy_logic.sample_batch(seed, step, rows, split, num_vars=d.num_vars, num_terms=d.num_terms,
-                                 seq_len=d.seq_len, frac_test=d.frac_test,
-                                 split_seed=split_seed(self.config),
+                                 seq_len=d.seq_len, frac_test=d.frac_test, split_seed=split_seed(self.config),
                                  frac_unknown=d.frac_unknown)
     return {"inputs": b["inputs_btv"], "targets": b["targets_b"], "target_var": b["target_var_b"]}
 
@@ -141,12 +153,14 @@ class FuzzyLogic:
     # The generator's "test" split (held-out combinations of known terms) is the compositional OOD
     # set; "train" here means fresh sequences of the training tasks (in distribution).
     names = {"test": "train", "ood": "test", "unknown": "unknown"}
-    return {name: eval_batches(lambda step, n, s=split: self.sample(self.config.seed, step, n, s),
-                               shard, rows, num_eval_batches(self.config, final))
-            for name, split in names.items()}
+    return {
+        name:
+            eval_batches(lambda step, n, s=split: self.sample(self.config.seed, step, n, s), shard, rows,
+                         num_eval_batches(self.config, final)) for name, split in names.items()
+    }
 
   def loss(self, outputs, batch):
-    err2_b = (outputs[:, -1, 0] - batch["targets"]) ** 2
+    err2_b = (outputs[:, -1, 0] - batch["targets"])**2
     return err2_b.mean(), jnp.float32(err2_b.shape[0])
 
   def eval_sums(self, outputs, batch):
@@ -155,4 +169,9 @@ class FuzzyLogic:
   def summarize(self, sums):
     n = sums["examples"]
     r2 = stats.Moments.from_sums(sums["r2"], sums["r2_sq"], n)
-    return {"r2": r2.mean, "r2_stderr": float(r2.stderr), "mse": sums["sq_err"] / max(n, 1.0), "examples": int(n)}
+    return {
+        "r2": r2.mean,
+        "r2_stderr": float(r2.stderr),
+        "mse": sums["sq_err"] / max(n, 1.0),
+        "examples": int(n)
+    }

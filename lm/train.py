@@ -18,9 +18,9 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from data_pipelines import pipeline
-from lm import (checkpointing, cli, compilation_cache, flops, goodput, metrics, ownership, wandb_log,
-                watchdog)
+from lm import checkpointing, cli, compilation_cache, flops, goodput, metrics, ownership, wandb_log, watchdog
 from lm.experiment import Experiment
+
 
 class HostData:
   """This process's logical data shards and their host-local batch.
@@ -41,7 +41,8 @@ class HostData:
     rows = config.train.batch_size // shards
     self.shards = checkpointing.DataShards({
         j: exp.task.train_iterator(pipeline.Shard(j, shards), rows)
-        for j in range(index * per_process, (index + 1) * per_process)})
+        for j in range(index * per_process, (index + 1) * per_process)
+    })
 
   def next(self) -> dict[str, np.ndarray]:
     parts = [next(it) for it in self.shards.iterators.values()]
@@ -130,9 +131,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   tokens_per_step = config.train.batch_size * seq_len
   flops_per_token = flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len)
   procs, devices = jax.process_count(), jax.device_count()
-  print(f"model: {exp.model_cfg.attention} attention, {exp.num_params:,} parameters; "
-        f"{procs} process{'es' * (procs > 1)}, {devices} device{'s' * (devices > 1)}, "
-        f"mesh {dict(exp.mesh.shape)}", flush=True)
+  print(
+      f"model: {exp.model_cfg.attention} attention, {exp.num_params:,} parameters; "
+      f"{procs} process{'es' * (procs > 1)}, {devices} device{'s' * (devices > 1)}, "
+      f"mesh {dict(exp.mesh.shape)}", flush=True)
 
   clock.enter("restoring")
   start = time.perf_counter()
@@ -149,10 +151,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if is_main and config.metrics.wandb_project:
     writer = wandb_log.Tee(writer, config.metrics, workdir, config.to_dict())
   # What lm-compare labels the run with; written on every (re)start, so the log alone describes it.
-  writer.write(first, "run", {"attention": exp.model_cfg.attention, "num_params": exp.num_params,
-                              "tokens_per_step": tokens_per_step})
-  progress = metrics.Progress(steps, tokens_per_step, first, flops_per_token,
-                              flops.peak_flops(jax.devices()))
+  writer.write(first, "run", {
+      "attention": exp.model_cfg.attention,
+      "num_params": exp.num_params,
+      "tokens_per_step": tokens_per_step
+  })
+  progress = metrics.Progress(steps, tokens_per_step, first, flops_per_token, flops.peak_flops(jax.devices()))
   requests = StopRequests()
   clock.enter("training")
 
@@ -165,8 +169,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       result = {**exp.evaluate(state.params, batches()), "tokens_seen": step * tokens_per_step}
       writer.write(step, f"eval/{name}", result)
       # Numbers only: the loss by position is in the log, too long for the line.
-      shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items()
-                        if k != "tokens_seen" and isinstance(v, numbers.Real))
+      shown = ", ".join(
+          f"{k} {v:.4g}" for k, v in result.items() if k != "tokens_seen" and isinstance(v, numbers.Real))
       print(f"eval {name} at step {step}: {shown} ({time.perf_counter() - start:.1f}s)", flush=True)
       results[name] = result
     clock.enter("training")
@@ -229,14 +233,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   writer.close()
   if stop:
     interrupted = requests.signal == signal.SIGINT
-    print(f"{'interrupted' if interrupted else 'preempted'}: saved the checkpoint at step {step}; "
-          f"exiting", flush=True)
+    print(
+        f"{'interrupted' if interrupted else 'preempted'}: saved the checkpoint at step {step}; "
+        f"exiting", flush=True)
     raise SystemExit(130 if interrupted else 0)  # 130: what a shell reports after Ctrl-C
   main_set = next(iter(final.values()))
   if "perplexity" in main_set:
     baseline = main_set.get("unigram_perplexity")
-    print(f"final validation perplexity {main_set['perplexity']:.2f}"
-          + (f" (unigram baseline {baseline:.2f})" if baseline else ""), flush=True)
+    print(
+        f"final validation perplexity {main_set['perplexity']:.2f}" +
+        (f" (unigram baseline {baseline:.2f})" if baseline else ""), flush=True)
   return final
 
 
@@ -248,9 +254,10 @@ def _close_after_failure(ckpt: checkpointing.Checkpointer, workdir: epath.Path) 
   except Exception as e:  # The save in flight failed too (a full disk): orbax left no step of it.
     print(f"the checkpoint being saved failed: {e}", file=sys.stderr, flush=True)
   latest = checkpointing.latest_step(workdir)
-  print("no checkpoint was saved" if latest is None else
-        f"the latest checkpoint is at step {latest}; the same command resumes from it",
-        file=sys.stderr, flush=True)
+  print(
+      "no checkpoint was saved"
+      if latest is None else f"the latest checkpoint is at step {latest}; the same command resumes from it",
+      file=sys.stderr, flush=True)
 
 
 def main(argv):
@@ -271,10 +278,12 @@ def main(argv):
 def run():
   config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
   flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
-  flags.DEFINE_float("lease_seconds", 60, "On gs://, how long a job that died keeps the workdir "
-                     "(lm/ownership.py); local workdirs are released at once.")
-  flags.DEFINE_bool("jax_distributed", False, "Call jax.distributed.initialize() with no arguments "
-                    "(TPU VM slices, where the environment describes the job).")
+  flags.DEFINE_float(
+      "lease_seconds", 60, "On gs://, how long a job that died keeps the workdir "
+      "(lm/ownership.py); local workdirs are released at once.")
+  flags.DEFINE_bool(
+      "jax_distributed", False, "Call jax.distributed.initialize() with no arguments "
+      "(TPU VM slices, where the environment describes the job).")
   flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
   flags.DEFINE_integer("num_processes", None, "Processes in the job.")
   flags.DEFINE_integer("process_id", None, "This process's index.")

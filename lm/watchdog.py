@@ -39,9 +39,10 @@ class Watchdog:
       with self._lock:
         if time.monotonic() < self._deadline:
           continue
-        print(f"watchdog: {self._waiting_for} did not complete within {self._allowed:g} s; the stack "
-              f"of every thread follows, then exit status {HUNG_EXIT_STATUS} so that the job is "
-              "restarted from its latest checkpoint", file=sys.stderr, flush=True)
+        print(
+            f"watchdog: {self._waiting_for} did not complete within {self._allowed:g} s; the stack "
+            f"of every thread follows, then exit status {HUNG_EXIT_STATUS} so that the job is "
+            "restarted from its latest checkpoint", file=sys.stderr, flush=True)
       faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
       # Not sys.exit: the main thread is the one that is stuck, and exit handlers might block too.
       os._exit(HUNG_EXIT_STATUS)

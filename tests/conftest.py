@@ -7,9 +7,9 @@ import uuid
 
 import numpy as np
 import pytest
+from gcs_emulator import Emulator
 
 from data_pipelines import records, tokenizer
-from gcs_emulator import Emulator
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wise kings sing of "
          "green hills and silver rivers under an old moon").split()

@@ -10,7 +10,6 @@ zonal, which the emulator does not serve: GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=fals
 """
 
 import json
-import os
 import subprocess
 import time
 import urllib.error
@@ -27,10 +26,11 @@ class Emulator:
     # stderr and never reads it: at its default log level the server logs every request and
     # blocks once the pipe's 64 KiB are full.
     self.log = open(log_path, "w")
-    self.process = subprocess.Popen(
-        [str(_server._get_binary_path()), "-scheme", "http", "-backend", "memory", "-host",
-         "127.0.0.1", "-port", str(port), "-external-url", self.url, "-log-level", "warn"],
-        stdout=self.log, stderr=subprocess.STDOUT)
+    self.process = subprocess.Popen([
+        str(_server._get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+        "-port",
+        str(port), "-external-url", self.url, "-log-level", "warn"
+    ], stdout=self.log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while True:
       try:
@@ -38,16 +38,21 @@ class Emulator:
         break
       except (urllib.error.URLError, OSError):
         if self.process.poll() is not None or time.monotonic() > deadline:
-          raise RuntimeError(f"the GCS emulator did not start; its log: {log_path}")
+          raise RuntimeError(f"the GCS emulator did not start; its log: {log_path}") from None
         time.sleep(0.1)
 
   def environment(self) -> dict[str, str]:
-    return {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
-            "CLOUD_STORAGE_EMULATOR_ENDPOINT": self.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    return {
+        "STORAGE_EMULATOR_HOST": self.url,
+        "TENSORSTORE_GCS_HTTP_URL": self.url,
+        "CLOUD_STORAGE_EMULATOR_ENDPOINT": self.url,
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"
+    }
 
   def create_bucket(self, name: str) -> None:
-    request = urllib.request.Request(f"{self.url}/storage/v1/b", data=json.dumps({"name": name}).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+    request = urllib.request.Request(f"{self.url}/storage/v1/b", data=json.dumps({
+        "name": name
+    }).encode(), headers={"Content-Type": "application/json"}, method="POST")
     urllib.request.urlopen(request, timeout=10).close()
 
   def stop(self) -> None:

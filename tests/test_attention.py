@@ -22,15 +22,14 @@ def _np_scores(q_bqhd, k_bkhd, normalization, mask_qk):
     e = np.where(mask_qk, np.exp(s_hqk - s_hqk.max(-1, keepdims=True)), 0.0)
     return e / e.sum(-1, keepdims=True)
   if normalization == "rms_head":
-    return s_hqk / np.sqrt((s_hqk ** 2).mean(0, keepdims=True) + 1e-6)
+    return s_hqk / np.sqrt((s_hqk**2).mean(0, keepdims=True) + 1e-6)
   return s_hqk
 
 
 def _layer(normalization, value_network, nonlinearity="relu", D=12, H=3, T=6, seed=0):
   """An attention layer without positions, its float64 parameters and an input."""
-  name = next(n for n, k in attention.PRESETS.items()
-              if k["normalization"] == normalization and k["value_network"] == value_network
-              and k.get("nonlinearity", "relu") == nonlinearity)
+  name = next(n for n, k in attention.PRESETS.items() if k["normalization"] == normalization and
+              k["value_network"] == value_network and k.get("nonlinearity", "relu") == nonlinearity)
   cfg = model_lib.ModelConfig(V=8, D=D, H=H, L=1, F=8, attention=name, positions="none")
   layer = model_lib.Attention(cfg, 0)
   x_btd = jax.random.normal(jax.random.key(seed), (1, T, D))
@@ -94,8 +93,7 @@ def test_causality(normalization, value_network):
 def test_segments_are_isolated(normalization, value_network, causal):
   q, k, v = _qkv()
   seg_bt = jnp.array([[1] * 4 + [2] * 6, [1] * 7 + [0] * 3])
-  kw = dict(normalization=normalization, value_network=value_network, causal=causal,
-            segment_ids=seg_bt)
+  kw = dict(normalization=normalization, value_network=value_network, causal=causal, segment_ids=seg_bt)
   out = attention.attend(q, k, v, **kw)
   changed = seg_bt != 1  # rewrite everything outside segment 1
   q2, k2, v2 = (jnp.where(changed[..., None, None], 3.0, x) for x in (q, k, v))
@@ -142,10 +140,9 @@ def test_presets_cover_the_paper_ablations():
   knobs = {n: attention.preset(n) for n in attention.PRESETS}
   assert knobs["softmax"] == dict(normalization="softmax", value_network="linear", nonlinearity="relu")
   assert knobs["linear"]["normalization"] == "none" and knobs["linear"]["value_network"] == "linear"
-  assert knobs["hyla"] == dict(normalization="rms_head", value_network="hypernetwork",
-                               nonlinearity="relu")
-  settings = {(k["normalization"], k["value_network"], k["nonlinearity"] if
-               k["value_network"] == "hypernetwork" else None) for k in knobs.values()}
+  assert knobs["hyla"] == dict(normalization="rms_head", value_network="hypernetwork", nonlinearity="relu")
+  settings = {(k["normalization"], k["value_network"],
+               k["nonlinearity"] if k["value_network"] == "hypernetwork" else None) for k in knobs.values()}
   assert len(settings) == len(knobs), "two presets with the same math"
   for phi in ("gelu", "silu", "sigmoid", "tanh", "identity", "relu"):
     assert ("rms_head", "hypernetwork", phi) in settings
@@ -166,5 +163,4 @@ def test_bad_model_config_fails_with_a_clear_message(bad, message):
 def test_unknown_nonlinearity_fails():
   q, k, v = _qkv()
   with pytest.raises(ValueError, match="unknown attention nonlinearity 'swish'; choose one of: relu"):
-    attention.attend(q, k, v, normalization="rms_head", value_network="hypernetwork",
-                     nonlinearity="swish")
+    attention.attend(q, k, v, normalization="rms_head", value_network="hypernetwork", nonlinearity="swish")

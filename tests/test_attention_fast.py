@@ -80,8 +80,7 @@ def _shapes(jaxpr):
       yield from _shapes(sub)
 
 
-@pytest.mark.parametrize("impl,preset", [("blocked", "hyla"), ("blocked", "softmax"),
-                                         ("chunked", "linear")])
+@pytest.mark.parametrize("impl,preset", [("blocked", "hyla"), ("blocked", "softmax"), ("chunked", "linear")])
 def test_training_never_forms_sequence_squared_tensors(impl, preset):
   """No intermediate of the forward and backward pass has two sequence-length dimensions (the length
   padded to blocks included)."""
@@ -91,19 +90,22 @@ def test_training_never_forms_sequence_squared_tensors(impl, preset):
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
   square = [s for s in _shapes(jaxpr.jaxpr) if squared(s)]
   assert not square, f"{impl} {preset} forms {square}"
-  reference = jax.make_jaxpr(jax.grad(lambda q, k, v: attention.attend(
-      q, k, v, **attention.preset(preset)).sum(), argnums=(0, 1, 2)))(q, k, v)
+  reference = jax.make_jaxpr(
+      jax.grad(lambda q, k, v: attention.attend(q, k, v, **attention.preset(preset)).sum(),
+               argnums=(0, 1, 2)))(q, k, v)
   assert any(squared(s) for s in _shapes(reference.jaxpr)), "the check itself finds nothing"
 
 
 def test_blocked_training_memory_grows_linearly():
   """Compiled forward+backward scratch memory: doubling the length about doubles blocked HYLA's
   (the reference's quadruples)."""
+
   def temp_bytes(impl, t):
     x = jax.ShapeDtypeStruct((1, t, 2, 8), jnp.float32)
     loss = lambda q, k, v: attention.attend(q, k, v, **attention.preset("hyla"), impl=impl).sum()
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
     return compiled.memory_analysis().temp_size_in_bytes
+
   blocked = temp_bytes("blocked", 1024) / temp_bytes("blocked", 512)
   reference = temp_bytes("reference", 1024) / temp_bytes("reference", 512)
   assert blocked < 2.5 < 3.5 < reference, (blocked, reference)
@@ -120,9 +122,8 @@ def test_chunked_resets_at_every_segment_inside_a_chunk():
   q, k, v, _, cotangent = _inputs(T=40)
   seg_bt = jnp.array([[1] * 3 + [2] * 30 + [3] * 2 + [4] * 5, [1] * 40])
   kw = dict(**attention.preset("linear"), segment_ids=seg_bt)
-  np.testing.assert_allclose(
-      attention.attend(q, k, v, **kw, impl="chunked"), attention.attend(q, k, v, **kw),
-      rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(attention.attend(q, k, v, **kw, impl="chunked"), attention.attend(q, k, v, **kw),
+                             rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -172,10 +173,10 @@ def test_auto_model_equals_reference_model(preset):
 
 
 @pytest.mark.parametrize("knobs,impl,message", [
-    (dict(normalization="rms_head", value_network="hypernetwork"), "chunked",
-     "'chunked' computes linear attention only"),
-    (dict(normalization="none", value_network="linear"), "pallas",
-     "'pallas' computes softmax attention only"),
+    (dict(normalization="rms_head",
+          value_network="hypernetwork"), "chunked", "'chunked' computes linear attention only"),
+    (dict(normalization="none",
+          value_network="linear"), "pallas", "'pallas' computes softmax attention only"),
     (dict(normalization="softmax", value_network="linear"), "flash", "unknown attention impl 'flash'"),
 ])
 def test_impl_that_cannot_compute_the_knobs_fails_clearly(knobs, impl, message):
@@ -218,8 +219,8 @@ def test_auto_compiles_the_pallas_kernel_for_tpu():
                            sharding=NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
   seg = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
   for preset, kernels in (("softmax", 3), ("hyla", 0)):
-    loss = lambda q, k, v, s: attention.attend(
-        q, k, v, **attention.preset(preset), segment_ids=s, impl="auto").sum()
+    loss = lambda q, k, v, s: attention.attend(q, k, v, **attention.preset(preset), segment_ids=s, impl="auto"
+                                              ).sum()
     with jax.set_mesh(mesh):
       lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg)
     assert lowered.as_text().count("tpu_custom_call") == kernels, preset
@@ -280,8 +281,8 @@ def test_model_dropout_takes_the_fast_kernel_with_the_reference_mask(preset):
                                 attention_dropout=0.2)
     m = model_lib.Transformer(cfg)
     params = m.init(jax.random.key(1), tokens_bt)
-    run = lambda p, d: m.apply(p, tokens_bt, segment_ids_bt=SEGMENTS_BT[:, :12], deterministic=d,
-                               rngs={"dropout": jax.random.key(2)})
+    run = lambda p, d: m.apply(p, tokens_bt, segment_ids_bt=SEGMENTS_BT[:, :12], deterministic=d, rngs=
+                               {"dropout": jax.random.key(2)})
     outs.append(jax.value_and_grad(lambda p: run(p, False).sum())(params))
     assert not np.allclose(run(params, False), run(params, True))
   (auto, g_auto), (ref, g_ref) = outs
@@ -303,8 +304,8 @@ def test_training_with_dropout_never_forms_sequence_squared_tensors():
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(attention="linear", attention_impl="chunked", attention_dropout=0.1),
-     "'chunked' applies no attention dropout"),
+    (dict(attention="linear", attention_impl="chunked",
+          attention_dropout=0.1), "'chunked' applies no attention dropout"),
     (dict(attention="hyla", attention_impl="pallas"), "'pallas' computes softmax attention only"),
     (dict(attention_dropout=1.0), r"attention_dropout must be in \[0, 1\)"),
 ])

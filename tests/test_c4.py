@@ -15,12 +15,12 @@ import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-from etils import epath
-
 from conftest import make_documents
+from etils import epath
+from small import small_config
+
 from data_pipelines import pipeline, prepare, records, sources, tokenizer
 from lm.experiment import Experiment
-from small import small_config
 
 tfds.disable_progress_bar()
 
@@ -37,8 +37,12 @@ with tfds.core.registered.skip_registration():
 
     def _info(self):
       text = tfds.features.Text()
-      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
-          {"text": text, "url": text, "timestamp": text}))
+      return tfds.core.DatasetInfo(
+          builder=self, features=tfds.features.FeaturesDict({
+              "text": text,
+              "url": text,
+              "timestamp": text
+          }))
 
     def _split_generators(self, dl_manager):
       return {split: self._generate_examples(docs) for split, docs in self.docs.items()}
@@ -107,16 +111,18 @@ def _prepare(allenai_files, output, **kw):
 
 
 def _data_cfg(source, data_dir, tok_path, **kw):
-  return ml_collections.ConfigDict(dict(source=source, dir=str(data_dir), tokenizer=str(tok_path),
-                                        **kw))
+  return ml_collections.ConfigDict(dict(source=source, dir=str(data_dir), tokenizer=str(tok_path), **kw))
 
 
 def test_tfds_c4_validation_every_target_once_sharded_and_bytes(tfds_dir, c4_docs, small_corpus):
   tok = _tok(small_corpus)
   data = sources.resolve(_data_cfg("c4", tfds_dir, tok.path), 320)
   assert (len(data.train.source), len(data.validation.source)) == (60, 24)
-  parts = [_predicted(pipeline.eval_dataset(data.validation, tok, seq_len=16, batch_size=4,
-                                            shard=pipeline.Shard(i, 2))) for i in range(2)]
+  parts = [
+      _predicted(
+          pipeline.eval_dataset(data.validation, tok, seq_len=16, batch_size=4, shard=pipeline.Shard(i, 2)))
+      for i in range(2)
+  ]
   assert parts[0] + parts[1] == _transitions(c4_docs["validation"], tok)
   assert pipeline.split_bytes(data.validation) == sum(
       len(d["text"].encode("utf-8")) for d in c4_docs["validation"])
@@ -133,8 +139,9 @@ def test_tfds_c4_per_host_shards_partition_train_and_resume_exactly(tfds_dir, sm
     seen += [docs.text(epoch[i]) for i in range(len(range(j, 60, 3)))]
   assert sorted(seen) == everything  # no overlap, no gap across process indices
 
-  make = lambda: iter(pipeline.train_dataset(docs, tok, seq_len=16, batch_size=4, seed=3,
-                                             shard=pipeline.Shard(1, 2), packing_bins=4))
+  make = lambda: iter(
+      pipeline.train_dataset(docs, tok, seq_len=16, batch_size=4, seed=3, shard=pipeline.Shard(1, 2),
+                             packing_bins=4))
   it = make()
   for _ in range(25):  # past the end of the shard's first epoch
     next(it)
@@ -162,8 +169,9 @@ def test_tfds_c4_evaluation_is_token_weighted_with_bits_per_byte(tfds_dir, c4_do
 
 def test_missing_or_unconvertible_tfds_data_fail_clearly(tmp_path, tfds_dir, small_corpus):
   cfg = _data_cfg("c4", tmp_path, _tok(small_corpus).path)
-  with pytest.raises(FileNotFoundError, match=r"c4/en/3.1.0/dataset_info.json is missing.*"
-                     r"tfds build c4/en:3.1.0.*lm-prepare"):
+  with pytest.raises(
+      FileNotFoundError, match=r"c4/en/3.1.0/dataset_info.json is missing.*"
+      r"tfds build c4/en:3.1.0.*lm-prepare"):
     sources.resolve(cfg, 320)
   version = tmp_path / "c4" / "en" / "3.1.0"
   version.mkdir(parents=True)
@@ -179,18 +187,17 @@ def test_missing_or_unconvertible_tfds_data_fail_clearly(tmp_path, tfds_dir, sma
 
 def test_lm_prepare_converts_json_gz_shards(tmp_path, allenai_files, c4_docs, small_corpus):
   out = tmp_path / "text"
-  result = subprocess.run(
-      [sys.executable, "-m", "launch.prepare", f"--train={allenai_files}/c4-train.*.json.gz",
-       f"--validation={allenai_files}/c4-validation.*.json.gz", f"--output={out}", "--workers=2"],
-      capture_output=True, text=True, check=True)
+  result = subprocess.run([
+      sys.executable, "-m", "launch.prepare", f"--train={allenai_files}/c4-train.*.json.gz",
+      f"--validation={allenai_files}/c4-validation.*.json.gz", f"--output={out}", "--workers=2"
+  ], capture_output=True, text=True, check=True)
   totals = json.loads(result.stdout[result.stdout.index("{"):])
   assert totals["train"]["documents"] == 60 and totals["validation"]["files"] == 2
   assert totals["validation"]["bytes"] == sum(len(d["text"].encode()) for d in c4_docs["validation"])
   assert "5/5" in result.stderr  # the progress bar reached the end
   tok = _tok(small_corpus)
   data = sources.resolve(_data_cfg("array_record", out, tok.path), 320)
-  assert sorted(data.train.text(r) for r in data.train.source) == sorted(
-      d["text"] for d in c4_docs["train"])
+  assert sorted(data.train.text(r) for r in data.train.source) == sorted(d["text"] for d in c4_docs["train"])
   batches = pipeline.eval_dataset(data.validation, tok, seq_len=16, batch_size=4)
   assert _predicted(batches) == _transitions(c4_docs["validation"], tok)
 
@@ -200,12 +207,12 @@ def test_lm_prepare_resumes_after_being_killed(tmp_path):
   inputs.mkdir()
   texts = [f"document {i} " + "the quick brown fox " * (i % 50) for i in range(120_000)]
   for i in range(12):
-    (inputs / f"part-{i:02d}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
-                                                        for t in texts[i::12]))
-  cmd = [sys.executable, "-m", "launch.prepare", f"--train={inputs}/part-*.jsonl",
-         f"--validation={inputs}/part-00.jsonl", f"--output={out}", "--workers=1"]
-  proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                          start_new_session=True)
+    (inputs / f"part-{i:02d}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[i::12]))
+  cmd = [
+      sys.executable, "-m", "launch.prepare", f"--train={inputs}/part-*.jsonl",
+      f"--validation={inputs}/part-00.jsonl", f"--output={out}", "--workers=1"
+  ]
+  proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
   stats = out / "stats"
   while not (stats.exists() and list(stats.glob("train.*.json"))):
     assert proc.poll() is None, "lm-prepare ended before it could be interrupted"
@@ -216,8 +223,10 @@ def test_lm_prepare_resumes_after_being_killed(tmp_path):
   assert 0 < len(finished) < 12
   shards = {name: (out / name.removesuffix(".json")).stat().st_mtime_ns for name in finished}
 
-  splits = {"train": prepare.expand(f"{inputs}/part-*.jsonl"),
-            "validation": prepare.expand(f"{inputs}/part-00.jsonl")}
+  splits = {
+      "train": prepare.expand(f"{inputs}/part-*.jsonl"),
+      "validation": prepare.expand(f"{inputs}/part-00.jsonl")
+  }
   totals = prepare.prepare(splits, epath.Path(out), progress=False)
   assert totals["train"]["skipped"] == len(finished) and totals["train"]["documents"] == len(texts)
   assert {n: (out / n.removesuffix(".json")).stat().st_mtime_ns for n in finished} == shards
@@ -227,7 +236,7 @@ def test_lm_prepare_resumes_after_being_killed(tmp_path):
 
 
 def test_pretokenized_path_equals_raw_path_and_refuses_another_tokenizer(tmp_path, allenai_files,
-                                                                          small_corpus):
+                                                                         small_corpus):
   tok = _tok(small_corpus)
   _prepare(allenai_files, tmp_path / "text")
   _prepare(allenai_files, tmp_path / "ids", tokenizer=str(tok.path), pretokenize=True)
@@ -261,17 +270,18 @@ def test_text_and_jsonl_inputs(tmp_path):
   with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
     f.write('{"text": "first"}\n\n{"text": "second", "url": "x"}\n')
   (tmp_path / "c.json").write_text('{"title": "no text"}\n')
-  assert list(prepare.documents(epath.Path(tmp_path / "a.txt"))) == [
-      "one whole document\nover two lines"]
+  assert list(prepare.documents(epath.Path(tmp_path / "a.txt"))) == ["one whole document\nover two lines"]
   assert list(prepare.documents(epath.Path(tmp_path / "b.jsonl.gz"))) == ["first", "second"]
   with pytest.raises(ValueError, match=r"c.json, line 1: not a JSON object with a \"text\" field"):
     list(prepare.documents(epath.Path(tmp_path / "c.json")))
   assert prepare.expand(f"{tmp_path}/*.txt,{tmp_path}/b.jsonl.gz") == [
-      tmp_path / "a.txt", tmp_path / "b.jsonl.gz"]
+      tmp_path / "a.txt", tmp_path / "b.jsonl.gz"
+  ]
 
 
 def test_prepare_refuses_a_directory_made_from_other_inputs(tmp_path):
   """Finished shards count as done for the inputs they were made from only."""
+
   def inputs(name: str, texts: list[str]) -> str:
     folder = tmp_path / name
     folder.mkdir()
@@ -286,8 +296,9 @@ def test_prepare_refuses_a_directory_made_from_other_inputs(tmp_path):
   first = inputs("a", ["one", "two"])
   run(first)
   assert run(first)["train"]["skipped"] == 2  # the same inputs: done, kept
-  with pytest.raises(ValueError, match=r"train.array_record-00000-of-00002 in .*out was made from "
-                     r".*a/part-0.jsonl \(16 bytes\), not from .*b/part-0.jsonl \(22 bytes\)"):
+  with pytest.raises(
+      ValueError, match=r"train.array_record-00000-of-00002 in .*out was made from "
+      r".*a/part-0.jsonl \(16 bytes\), not from .*b/part-0.jsonl \(22 bytes\)"):
     run(inputs("b", ["other one", "other two"]))  # same names and count, other contents
   docs = records.open_split(tmp_path / "out", "train")
   assert sorted(docs.text(r) for r in docs.source) == ["one", "two"]
@@ -315,8 +326,10 @@ def test_a_listed_input_that_does_not_exist_is_an_error(tmp_path):
 def test_an_empty_input_is_prepared_with_a_warning(tmp_path, capsys):
   (tmp_path / "full.jsonl").write_text('{"text": "words"}\n')
   (tmp_path / "empty.jsonl").write_text("")
-  splits = {"train": prepare.expand(f"{tmp_path}/*.jsonl"),
-            "validation": prepare.expand(f"{tmp_path}/full.jsonl")}
+  splits = {
+      "train": prepare.expand(f"{tmp_path}/*.jsonl"),
+      "validation": prepare.expand(f"{tmp_path}/full.jsonl")
+  }
   totals = prepare.prepare(splits, epath.Path(tmp_path / "out"), progress=False)
   assert totals["train"]["documents"] == 1
   assert f"warning: {tmp_path}/empty.jsonl holds no documents" in capsys.readouterr().out

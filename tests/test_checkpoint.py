@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 from etils import epath
+from small import small_config, tensorboard_events
 
 from lm import checkpointing, ownership, run_log, train
-from small import small_config, tensorboard_events
 
 CONFIG_FILE = """
 from small import small_config
@@ -88,8 +88,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(small_corpus, referenc
   assert got == want, "resumed per-step losses differ from the uninterrupted run"
 
 
-def test_on_gcs_sigkill_then_resume_matches_an_uninterrupted_run(small_corpus, reference, tmp_path,
-                                                                 gs_dir):
+def test_on_gcs_sigkill_then_resume_matches_an_uninterrupted_run(small_corpus, reference, tmp_path, gs_dir):
   """The same on a gs:// workdir (the GCS emulator): orbax's arrays through tensorstore, the rest
   through gcsfs; the killed job's lease on the workdir lapses after 1 s."""
   lease = "--lease_seconds=1"
@@ -231,8 +230,9 @@ def test_resuming_with_fewer_steps_than_the_checkpoint_stops(small_corpus, refer
   shutil.copytree(reference, workdir)
   c = small_config(small_corpus)
   c.train.steps = 20
-  with pytest.raises(ValueError, match=r"holds a checkpoint at step 30, past train.steps=20; set "
-                     r"--config.train.steps=30 or more .*`lm-eval --workdir=.* --step=30`"):
+  with pytest.raises(
+      ValueError, match=r"holds a checkpoint at step 30, past train.steps=20; set "
+      r"--config.train.steps=30 or more .*`lm-eval --workdir=.* --step=30`"):
     train.train_and_evaluate(c, str(workdir))
   assert checkpointing.latest_step(workdir) == 30
 
@@ -275,8 +275,9 @@ def test_skip_damaged_resumes_from_the_step_before(small_corpus, reference, tmp_
   c.checkpoint.update(every_steps=5, skip_damaged=True)
   train.train_and_evaluate(c, str(workdir))
   out = capsys.readouterr().out
-  assert re.search(r"warning: the checkpoint at step 30 .* cannot be read: .*; moved it to "
-                   rf"{workdir}/damaged_checkpoints/30\n", out), out
+  assert re.search(
+      r"warning: the checkpoint at step 30 .* cannot be read: .*; moved it to "
+      rf"{workdir}/damaged_checkpoints/30\n", out), out
   assert "resumed from the checkpoint at step 25" in out
   assert (workdir / "damaged_checkpoints" / "30" / "state").is_dir()  # kept, out of the way
   assert checkpointing.latest_step(workdir) == 30  # trained again and saved

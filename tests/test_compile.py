@@ -14,14 +14,16 @@ import jax
 import numpy as np
 import pytest
 
-pytest.importorskip("libtpu", reason="libtpu is not installed (pip install -e '.[tpu]'): "
-                    "lm-compile cannot compile for TPU here")
+pytest.importorskip(
+    "libtpu", reason="libtpu is not installed (pip install -e '.[tpu]'): "
+    "lm-compile cannot compile for TPU here")
+
+from small import small_config  # noqa: E402
 
 from configs import c4_50m, sraven  # noqa: E402
 from data_pipelines import pipeline  # noqa: E402
 from launch import compile as compile_lib  # noqa: E402
 from lm.experiment import Experiment  # noqa: E402
-from small import small_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config.model.L=1", "--config.train.batch_size=16"]
@@ -47,8 +49,8 @@ def test_compiles_c4_50m_for_v5e_4x4(attention):
   config.train.batch_size = 16
   exp = Experiment(config, devices=compile_lib.topology_devices("v5e:4x4"))
   assert r["num_params"] == exp.num_params
-  assert 0 <= r["argument_bytes"] - 3 * 4 * exp.num_params - 5 * 4 * 512 < 2 ** 16
-  assert r["argument_bytes"] + r["temp_bytes"] <= r["total_bytes"] < r["hbm_bytes"] == 16 * 2 ** 30
+  assert 0 <= r["argument_bytes"] - 3 * 4 * exp.num_params - 5 * 4 * 512 < 2**16
+  assert r["argument_bytes"] + r["temp_bytes"] <= r["total_bytes"] < r["hbm_bytes"] == 16 * 2**30
   # The compiler and the model agree on the step's FLOPs within the attention core's share.
   assert 0.8 < r["compiler_flops"] / r["model_flops"] < 1.25
   step = max(r["compiler_flops"], r["model_flops"]) / 197e12

@@ -31,7 +31,7 @@ def test_sraven_sums_match_hand_computation():
   logits_bfv = np.full((2, 4, 8), -5.0, np.float32)
   targets_bf = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
   logits_bfv[0, np.arange(4), targets_bf[0]] = 5.0  # instance 0: all four right
-  logits_bfv[1, np.arange(4), [4, 5, 6, 0]] = 5.0   # instance 1: three of four right
+  logits_bfv[1, np.arange(4), [4, 5, 6, 0]] = 5.0  # instance 1: three of four right
   sums = {k: float(v) for k, v in tc.sraven_sums(jnp.asarray(logits_bfv), jnp.asarray(targets_bf)).items()}
   right = -math.log(math.exp(5) / (math.exp(5) + 7 * math.exp(-5)))
   wrong = -math.log(math.exp(-5) / (math.exp(5) + 7 * math.exp(-5)))

@@ -13,8 +13,9 @@ def _tok(root):
   return tokenizer.Tokenizer(tokenizer.model_path(root, 320))
 
 
-def _transitions(docs, tok, shard=pipeline.Shard()):
+def _transitions(docs, tok, shard: pipeline.Shard | None = None):
   """Every (token, next token) pair of every document: what the model must be asked to predict."""
+  shard = shard or pipeline.Shard()
   pairs = collections.Counter()
   for i in range(shard.index, len(docs.source), shard.count):
     ids = tok.encode(docs.text(docs.source[i]))
@@ -43,8 +44,10 @@ def test_validation_covers_every_target_exactly_once(small_corpus):
 
 def test_targets_never_cross_documents_and_positions_restart(small_corpus):
   tok = _tok(small_corpus)
-  batch = next(iter(pipeline.train_dataset(records.open_split(small_corpus, "train"), tok,
-                                           seq_len=32, batch_size=16, seed=0)))
+  batch = next(
+      iter(
+          pipeline.train_dataset(records.open_split(small_corpus, "train"), tok, seq_len=32, batch_size=16,
+                                 seed=0)))
   seg, pos, w = batch["segment_ids"], batch["positions"], batch["weights"]
   starts = np.concatenate([np.ones((16, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
   assert np.all(pos[starts & (seg > 0)] == 0), "each packed piece starts at position 0"
@@ -56,8 +59,10 @@ def test_targets_never_cross_documents_and_positions_restart(small_corpus):
 
 def test_shards_partition_the_split(small_corpus):
   tok, docs = _tok(small_corpus), records.open_split(small_corpus, "validation")
-  parts = [_predicted(pipeline.eval_dataset(docs, tok, seq_len=16, batch_size=4,
-                                            shard=pipeline.Shard(i, 3))) for i in range(3)]
+  parts = [
+      _predicted(pipeline.eval_dataset(docs, tok, seq_len=16, batch_size=4, shard=pipeline.Shard(i, 3)))
+      for i in range(3)
+  ]
   assert sum(parts, collections.Counter()) == _transitions(docs, tok)
   assert parts[0] == _transitions(docs, tok, pipeline.Shard(0, 3))
 
@@ -77,8 +82,8 @@ def test_every_record_once_per_epoch_across_shards(small_corpus):
 
 def test_training_order_is_seeded(small_corpus):
   tok, docs = _tok(small_corpus), records.open_split(small_corpus, "train")
-  first = lambda seed: next(iter(pipeline.train_dataset(docs, tok, seq_len=16, batch_size=4,
-                                                        seed=seed)))["inputs"]
+  first = lambda seed: next(iter(pipeline.train_dataset(docs, tok, seq_len=16, batch_size=4, seed=seed)))[
+      "inputs"]
   assert np.array_equal(first(1), first(1))
   assert not np.array_equal(first(1), first(2))
 
@@ -106,8 +111,8 @@ def test_windows_overlap_by_one_token():
 def test_unigram_perplexity_and_bytes(small_corpus):
   tok = _tok(small_corpus)
   train, val = (records.open_split(small_corpus, s) for s in ("train", "validation"))
-  counts = lambda docs: collections.Counter(
-      t for r in docs.source for t in tok.encode(docs.text(r))[1:].tolist())
+  counts = lambda docs: collections.Counter(t for r in docs.source
+                                            for t in tok.encode(docs.text(r))[1:].tolist())
   c_train, c_val = counts(train), counts(val)
   total = sum(c_train.values()) + tok.vocab_size
   nll = -sum(n * np.log((c_train[t] + 1) / total) for t, n in c_val.items()) / sum(c_val.values())
@@ -121,8 +126,11 @@ def test_missing_and_empty_data_fail_clearly(tmp_path, small_corpus):
     records.shard_paths(tmp_path, "train")
   records.write_shard(tmp_path / records.shard_name("train", 0, 1), [])
   records.write_shard(tmp_path / records.shard_name("validation", 0, 1), [{"text": "x"}])
-  cfg = {"source": "array_record", "dir": str(tmp_path),
-         "tokenizer": str(tokenizer.model_path(small_corpus, 320))}
+  cfg = {
+      "source": "array_record",
+      "dir": str(tmp_path),
+      "tokenizer": str(tokenizer.model_path(small_corpus, 320))
+  }
   with pytest.raises(ValueError, match="'train' split .* has no records"):
     sources.resolve(ml_collections.ConfigDict(cfg), 320)
   with pytest.raises(ValueError, match="model.V=999 but the tokenizer .* has 320 pieces"):
@@ -137,12 +145,14 @@ def test_scene_splitting_merges_short_pieces():
   assert len(docs) == 1 and "Scene II" in docs[0]
   docs = corpus.split_documents(text + "\nSCENE III.\n" + "long " * 300)
   assert len(docs) == 2 and docs[1].startswith("Scene II.") and "SCENE III" in docs[1]
-  assert "".join(docs).replace("\n", "").replace(" ", "") == (text + "\nSCENE III.\n" + "long " * 300
-                                                          ).replace("\n", "").replace(" ", "")
+  assert "".join(docs).replace("\n", "").replace(" ",
+                                                 "") == (text + "\nSCENE III.\n" + "long " * 300).replace(
+                                                     "\n", "").replace(" ", "")
 
 
 def test_a_tokenizer_file_that_is_not_a_sentencepiece_model_is_named(tmp_path):
   (tmp_path / "vocab.txt").write_text("the\nquick\nfox\n")
-  with pytest.raises(ValueError, match=r"tokenizer .*vocab.txt is not a SentencePiece model; set "
-                     r"data.tokenizer to a SentencePiece .model file"):
+  with pytest.raises(
+      ValueError, match=r"tokenizer .*vocab.txt is not a SentencePiece model; set "
+      r"data.tokenizer to a SentencePiece .model file"):
     tokenizer.Tokenizer(tmp_path / "vocab.txt")

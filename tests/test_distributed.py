@@ -14,14 +14,13 @@ HERE = os.path.dirname(__file__)
 
 
 def _env(devices: int) -> dict:
-  return {**os.environ, "PYTHONPATH": HERE,
-          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  return {**os.environ, "PYTHONPATH": HERE, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
 
 
 def test_meshes_and_microbatches_give_the_same_losses(small_corpus):
-  result = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "mesh_losses.py"),
-                           str(small_corpus)], capture_output=True, text=True, env=_env(16),
-                          timeout=600)
+  result = subprocess.run(
+      [sys.executable, os.path.join(HERE, "scripts", "mesh_losses.py"),
+       str(small_corpus)], capture_output=True, text=True, env=_env(16), timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   losses = json.loads(result.stdout.strip().splitlines()[-1])
   reference = losses.pop("1 device")
@@ -68,8 +67,7 @@ def _child(launcher: subprocess.Popen, process_id: int) -> int:
 def test_two_processes_match_one_and_restart_exactly_after_sigkill(small_corpus, tmp_path):
   config = tmp_path / "multi.py"
   config.write_text(MULTI_CONFIG.format(corpus=str(small_corpus)))
-  train = lambda workdir: [sys.executable, "-m", "lm.train", f"--config={config}",
-                           f"--workdir={workdir}"]
+  train = lambda workdir: [sys.executable, "-m", "lm.train", f"--config={config}", f"--workdir={workdir}"]
   one = tmp_path / "one_process"
   result = subprocess.run(train(one), capture_output=True, text=True, env=_env(8), timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -77,16 +75,16 @@ def test_two_processes_match_one_and_restart_exactly_after_sigkill(small_corpus,
   env = {**os.environ, "PYTHONPATH": HERE}
   # One compilation cache for the two-process runs: only the first compiles (and the bitwise
   # comparison below covers programs loaded from the cache too).
-  launch = lambda workdir, *flags: [sys.executable, "-m", "launch.cli", "processes", "-n", "2",
-                                    "--xla_devices", "4", *flags, "--", *train(workdir),
-                                    f"--config.compilation_cache={tmp_path / 'cache'}"]
+  launch = lambda workdir, *flags: [
+      sys.executable, "-m", "launch.cli", "processes", "-n", "2", "--xla_devices", "4", *flags, "--", *train(
+          workdir), f"--config.compilation_cache={tmp_path / 'cache'}"
+  ]
   two = tmp_path / "two_processes"
   result = subprocess.run(launch(two), capture_output=True, text=True, env=env, timeout=600)
   assert result.returncode == 0, result.stdout[-3000:]
   want, got = _losses(one), _losses(two)
   assert sorted(got) == list(range(1, 21))
-  np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)],
-                             rtol=1e-5)
+  np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-5)
   # Evaluation splits the validation set by process; token-weighted sums make it the same number.
   assert _final_eval(two)["tokens"] == _final_eval(one)["tokens"]
   np.testing.assert_allclose(_final_eval(two)["loss"], _final_eval(one)["loss"], rtol=1e-5)
@@ -115,10 +113,13 @@ def test_sigterm_stops_both_processes_at_the_same_step(small_corpus, tmp_path):
   config = tmp_path / "multi.py"
   config.write_text(MULTI_CONFIG.format(corpus=str(small_corpus)).replace("every_steps=5", "every_steps=100"))
   workdir = tmp_path / "run"
-  launch = [sys.executable, "-m", "launch.cli", "processes", "-n", "2", "--xla_devices", "4", "--",
-            sys.executable, "-m", "lm.train", f"--config={config}", f"--workdir={workdir}"]
-  proc = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={**os.environ, "PYTHONPATH": HERE})
+  launch = [
+      sys.executable, "-m", "launch.cli", "processes", "-n", "2", "--xla_devices", "4", "--", sys.executable,
+      "-m", "lm.train", f"--config={config}", f"--workdir={workdir}"
+  ]
+  proc = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={
+      **os.environ, "PYTHONPATH": HERE
+  })
   seen = []
   for line in proc.stdout:
     seen.append(line)
@@ -127,7 +128,10 @@ def test_sigterm_stops_both_processes_at_the_same_step(small_corpus, tmp_path):
       break
   output = "".join(seen) + proc.communicate(timeout=300)[0]
   assert proc.returncode == 0, output[-3000:]
-  saved = {line.split("] ")[0]: int(line.split("at step ")[1].split(";")[0])
-           for line in output.splitlines() if "preempted: saved the checkpoint" in line}
+  saved = {
+      line.split("] ")[0]: int(line.split("at step ")[1].split(";")[0])
+      for line in output.splitlines()
+      if "preempted: saved the checkpoint" in line
+  }
   assert set(saved) == {"[0", "[1"} and len(set(saved.values())) == 1, output[-3000:]
   assert sorted(os.listdir(workdir / "checkpoints")) == [str(next(iter(saved.values())))]

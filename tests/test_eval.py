@@ -7,13 +7,13 @@ import sys
 
 import numpy as np
 import pytest
+from small import small_config
 
 from configs import tiny
 from data_pipelines import pipeline, sources
 from eval import compare, evaluate
 from lm import checkpointing, flops, metrics, model as model_lib, run_log, train
 from lm.experiment import Experiment
-from small import small_config
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +35,13 @@ def hand_nll(workdir) -> tuple[float, int, int, dict[int, list[float]]]:
   data = sources.resolve(config.data, config.model.V)
   total, count, padded, by_bucket = 0.0, 0, 0, {}
   for b in pipeline.eval_dataset(data.validation, data.tokenizer, seq_len=config.data.seq_len,
-                                 batch_size=config.eval.batch_size,
-                                 packing_bins=config.data.packing_bins):
+                                 batch_size=config.eval.batch_size, packing_bins=config.data.packing_bins):
     logits_btv = model.apply({"params": params}, b["inputs"], positions_bt=b["positions"],
                              segment_ids_bt=b["segment_ids"])
     logits_btv = np.asarray(logits_btv, np.float64)
-    logp_btv = logits_btv - np.log(np.exp(logits_btv - logits_btv.max(-1, keepdims=True)).sum(
-        -1, keepdims=True)) - logits_btv.max(-1, keepdims=True)
+    logp_btv = logits_btv - np.log(
+        np.exp(logits_btv - logits_btv.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits_btv.max(
+            -1, keepdims=True)
     nll_bt = -np.take_along_axis(logp_btv, b["targets"][..., None], -1)[..., 0]
     keep_bt = b["weights"] > 0
     total += nll_bt[keep_bt].sum()
@@ -103,11 +103,22 @@ def write_run(workdir, attention, evals, resumed_at=None):
   writer.write(0, "run", {"attention": attention, "num_params": 1234, "tokens_per_step": 100})
   for step, ppl in evals.items():
     writer.write(step, "train", {"loss": 1.0, "tokens_per_sec": 50.0 * step, "tokens_seen": 100 * step})
-    writer.write(step, "eval/validation", {"loss": float(np.log(ppl)), "perplexity": ppl,
-                                           "bits_per_byte": 0.5, "tokens": 10, "tokens_seen": 100 * step})
+    writer.write(
+        step, "eval/validation", {
+            "loss": float(np.log(ppl)),
+            "perplexity": ppl,
+            "bits_per_byte": 0.5,
+            "tokens": 10,
+            "tokens_seen": 100 * step
+        })
   if resumed_at is not None:
-    writer.write(resumed_at, "eval/validation", {"loss": 0.0, "perplexity": 1.0, "bits_per_byte": 0.1,
-                                                 "tokens": 10, "tokens_seen": 100 * resumed_at})
+    writer.write(resumed_at, "eval/validation", {
+        "loss": 0.0,
+        "perplexity": 1.0,
+        "bits_per_byte": 0.1,
+        "tokens": 10,
+        "tokens_seen": 100 * resumed_at
+    })
   writer.close()
 
 
@@ -136,31 +147,60 @@ def test_compare_flops_wall_clock_and_seed_bands(tmp_path):
       c = tiny.get_config()
       c.model.attention, c.seed = attention, seed
       evaluation = lambda step, t, ppl: {
-          "step": step, "kind": "eval/validation", "time": t, "loss": float(np.log(ppl)), "perplexity": ppl,
-          "tokens_seen": 4096 * step, "loss_by_position": {"first_position": [0, 1], "loss": [5.0, 4.0 + seed]}}
-      start = lambda t: {"step": 0, "kind": "run", "time": t, "attention": attention, "num_params": 918_784,
-                         "tokens_per_step": 4096}
+          "step": step,
+          "kind": "eval/validation",
+          "time": t,
+          "loss": float(np.log(ppl)),
+          "perplexity": ppl,
+          "tokens_seen": 4096 * step,
+          "loss_by_position": {
+              "first_position": [0, 1],
+              "loss": [5.0, 4.0 + seed]
+          }
+      }
+      start = lambda t: {
+          "step": 0,
+          "kind": "run",
+          "time": t,
+          "attention": attention,
+          "num_params": 918_784,
+          "tokens_per_step": 4096
+      }
       workdir = tmp_path / f"{attention}{seed}"
       workdir.mkdir()
       (workdir / "config.json").write_text(c.to_json())
-      records = [start(100.0), evaluation(10, 110.0, 50.0 + seed), start(1000.0), evaluation(20, 1030.0, 40.0 + 2 * seed)]
+      records = [
+          start(100.0),
+          evaluation(10, 110.0, 50.0 + seed),
+          start(1000.0),
+          evaluation(20, 1030.0, 40.0 + 2 * seed)
+      ]
       # A log in the single-file format of earlier versions, which readers still accept.
       (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
       workdirs.append(str(workdir))
   out = tmp_path / "cmp.png"
   text = compare.compare(workdirs, str(out))
   runs = [compare.read_run(w) for w in workdirs]
-  per_token = {a: flops.flops_per_token(model_lib.ModelConfig.from_dict({**tiny.get_config().model.to_dict(),
-                                                                         "attention": a}), 918_784, 128)
-               for a in ("softmax", "hyla")}
+  per_token = {
+      a:
+          flops.flops_per_token(
+              model_lib.ModelConfig.from_dict({
+                  **tiny.get_config().model.to_dict(), "attention": a
+              }), 918_784, 128) for a in ("softmax", "hyla")
+  }
   assert per_token["hyla"] > per_token["softmax"]
   assert [r["flops_per_token"] for r in runs] == [per_token["softmax"]] * 2 + [per_token["hyla"]] * 2
   assert f"| softmax0 | softmax | 918,784 | 81,920 | {per_token['softmax'] * 81_920:.3g} | 40 s |" in text
   groups = compare.seed_groups(runs)
-  assert {k: [r["run"] for r in v] for k, v in groups.items()} == {"softmax": ["softmax0", "softmax1"],
-                                                                   "hyla": ["hyla0", "hyla1"]}
-  for (name, x_of), want_x in zip(compare.AXES, ([40_960, 81_920], [40_960 * per_token["hyla"], 81_920 * per_token["hyla"]],
-                                                 [10.0, 40.0])):
+  assert {
+      k: [r["run"] for r in v] for k, v in groups.items()
+  } == {
+      "softmax": ["softmax0", "softmax1"],
+      "hyla": ["hyla0", "hyla1"]
+  }
+  for (name, x_of), want_x in zip(
+      compare.AXES,
+      ([40_960, 81_920], [40_960 * per_token["hyla"], 81_920 * per_token["hyla"]], [10.0, 40.0])):
     x, y, se = compare._band(groups["hyla"], x_of, lambda e: e["perplexity"])
     assert x == pytest.approx(want_x), name
     assert y == pytest.approx([50.5, 41.0]) and se == pytest.approx([0.5, 1.0])
@@ -172,8 +212,12 @@ def test_compare_names_a_run_without_evaluation(tmp_path):
   writer.write(5, "train", {"loss": 3.0, "tokens_seen": 500})
   writer.close()
   write_run(tmp_path / "done", "softmax", {10: 40.0})
-  cmd = [sys.executable, "-m", "eval.compare", str(tmp_path / "fresh"), str(tmp_path / "done"),
-         str(tmp_path / "missing"), f"--out={tmp_path / 'x.png'}"]
+  cmd = [
+      sys.executable, "-m", "eval.compare",
+      str(tmp_path / "fresh"),
+      str(tmp_path / "done"),
+      str(tmp_path / "missing"), f"--out={tmp_path / 'x.png'}"
+  ]
   result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
   assert result.returncode != 0 and "Traceback" not in result.stderr
   assert (f"lm-compare: {tmp_path / 'fresh'} has no validation evaluation yet; train until the first "

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 from etils import epath
+from small import tensorboard_events
 
 from data_pipelines import records
 from lm import run_log
-from small import tensorboard_events
 
 HERE = os.path.dirname(__file__)
 GRID_CONFIG = """
@@ -36,14 +36,16 @@ def test_prepare_from_a_bucket_then_train_evaluate_and_compare_there(gs_dir, tmp
   for name, seed, n in (("train-0", 0, 60), ("train-1", 1, 60), ("validation-0", 2, 30)):
     lines = "".join(json.dumps(d) + "\n" for d in make_documents(n, seed))
     (raw / f"{name}.json.gz").write_bytes(gzip.compress(lines.encode()))
-  prepare = [sys.executable, "-m", "launch.prepare", f"--train={raw}/train-*.json.gz",
-             f"--validation={raw}/validation-*.json.gz", f"--output={data}", "--train_tokenizer=320",
-             "--workers=1"]
+  prepare = [
+      sys.executable, "-m", "launch.prepare", f"--train={raw}/train-*.json.gz",
+      f"--validation={raw}/validation-*.json.gz", f"--output={data}", "--train_tokenizer=320", "--workers=1"
+  ]
   result = subprocess.run(prepare, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert [epath.Path(p).name for p in records.shard_paths(data, "train")] == [
-      "train.array_record-00000-of-00002", "train.array_record-00001-of-00002"]
-  assert json.loads(records.stats_path(data / "train.array_record-00001-of-00002").read_text())["documents"] == 60
+  assert [epath.Path(p).name for p in records.shard_paths(data, "train")
+         ] == ["train.array_record-00000-of-00002", "train.array_record-00001-of-00002"]
+  assert json.loads(records.stats_path(data /
+                                       "train.array_record-00001-of-00002").read_text())["documents"] == 60
   tokenizer = data / "spm_bpe_320.model"
   assert tokenizer.exists()
 
@@ -51,8 +53,9 @@ def test_prepare_from_a_bucket_then_train_evaluate_and_compare_there(gs_dir, tmp
   config.write_text(GRID_CONFIG.format(data=str(data), tokenizer=str(tokenizer)))
   root = epath.Path(gs_dir) / "grid"
   grid = [sys.executable, "-m", "eval.grid", f"--config={config}", "--presets=softmax", f"--root={root}"]
-  result = subprocess.run(grid, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": HERE})
+  result = subprocess.run(grid, capture_output=True, text=True, timeout=600, env={
+      **os.environ, "PYTHONPATH": HERE
+  })
   assert result.returncode == 0, result.stderr[-3000:]
   workdir = root / "softmax_seed0"
   evaluate = [sys.executable, "-m", "eval.evaluate", f"--workdir={workdir}", "--step=8"]
@@ -67,8 +70,10 @@ def test_prepare_from_a_bucket_then_train_evaluate_and_compare_there(gs_dir, tmp
   assert evaluated["loss"] == pytest.approx(final["loss"], rel=1e-5)
   assert "softmax" in (root / "summary.md").read_text()
   assert (root / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  losses = {e.step: v.simple_value for e in tensorboard_events(workdir) for v in e.summary.value
-            if v.tag == "train/loss"}
+  losses = {
+      e.step: v.simple_value
+      for e in tensorboard_events(workdir) for v in e.summary.value if v.tag == "train/loss"
+  }
   assert losses == {r["step"]: pytest.approx(r["loss"]) for r in log if r["kind"] == "train"}
   # Nothing written through a temporary name: object stores have no cheap rename.
   import gcsfs  # only now: gcsfs reads the emulator fixture's environment when imported

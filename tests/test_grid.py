@@ -21,8 +21,8 @@ from lm import metrics, run_log, stats
 TINY = "configs/tiny.py"
 HERE = os.path.dirname(__file__)
 
-
 # --- lm/stats.py ---------------------------------------------------------------------------------
+
 
 def test_moments_merge_matches_numpy_where_sums_of_squares_cancel():
   x = 1e8 + np.random.default_rng(0).normal(size=1000)  # mean far larger than the spread
@@ -31,7 +31,7 @@ def test_moments_merge_matches_numpy_where_sums_of_squares_cancel():
   assert merged.count == 1000 and merged.mean == pytest.approx(x.mean(), rel=1e-12)
   assert merged.m2 / 999 == pytest.approx(x.var(ddof=1), rel=1e-6)
   assert merged.stderr == pytest.approx(x.std(ddof=1) / np.sqrt(1000), rel=1e-6)
-  naive = stats.Moments.from_sums(x.sum(), (x ** 2).sum(), 1000.0)
+  naive = stats.Moments.from_sums(x.sum(), (x**2).sum(), 1000.0)
   assert abs(naive.m2 / 999 / x.var(ddof=1) - 1) > 0.01, "this data should defeat Σx² - n·mean²"
 
 
@@ -42,7 +42,7 @@ def test_weighted_moments_on_device_equal_the_kept_values():
   kept = x_bt[w_bt > 0].astype(np.float64)
   assert float(on_device.count) == len(kept)
   assert float(on_device.mean) == pytest.approx(kept.mean(), rel=1e-5)
-  assert float(on_device.m2) == pytest.approx(((kept - kept.mean()) ** 2).sum(), rel=1e-4)
+  assert float(on_device.m2) == pytest.approx(((kept - kept.mean())**2).sum(), rel=1e-4)
 
 
 def test_mean_stderr_over_seeds():
@@ -52,20 +52,24 @@ def test_mean_stderr_over_seeds():
 
 # --- overrides and bad input ---------------------------------------------------------------------
 
+
 def test_space_and_equals_overrides_give_the_same_runs():
-  argv = ["--config=" + TINY, "--config.model.D", "48", "--config.data.dir", "/some/dir",
-          "--config.model.remat", "--config.train.lr=1e-2"]
+  argv = [
+      "--config=" + TINY, "--config.model.D", "48", "--config.data.dir", "/some/dir", "--config.model.remat",
+      "--config.train.lr=1e-2"
+  ]
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file("config", None, "", flag_values=fv, sys_argv=["x", *argv])
   fv(["x", *argv])
   overrides = grid.normalize_overrides(argv, fv)
-  assert overrides == ["--config.model.D=48", "--config.data.dir=/some/dir", "--config.model.remat",
-                       "--config.train.lr=1e-2"]
+  assert overrides == [
+      "--config.model.D=48", "--config.data.dir=/some/dir", "--config.model.remat", "--config.train.lr=1e-2"
+  ]
   _, points = grid.plan(TINY, overrides, ["softmax", "linear"], ["0"], {})
   for p in points:
     c = p["config"]
-    assert (c.model.attention, c.model.D, c.data.dir, c.model.remat, c.train.lr) == (
-        p["preset"], 48, "/some/dir", True, 1e-2)
+    assert (c.model.attention, c.model.D, c.data.dir, c.model.remat, c.train.lr) == (p["preset"], 48,
+                                                                                     "/some/dir", True, 1e-2)
   assert points[1]["args"][-2:] == ["--config.model.attention=linear", "--config.seed=0"]
 
 
@@ -89,9 +93,10 @@ def test_bad_input_stops_before_training(tmp_path, kwargs, message):
   assert not (tmp_path / "root").exists(), "nothing may be created before the input is checked"
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("train.lr=", "is not FIELD=V1,V2,..."), ("train.lr", "is not FIELD=V1,V2,..."),
-    ("seed=1,2", "give seed values with --seeds"), ("train.lr=1,1", "repeats a value")])
+@pytest.mark.parametrize("spec, message", [("train.lr=", "is not FIELD=V1,V2,..."),
+                                           ("train.lr", "is not FIELD=V1,V2,..."),
+                                           ("seed=1,2", "give seed values with --seeds"),
+                                           ("train.lr=1,1", "repeats a value")])
 def test_bad_grid_flags(spec, message):
   with pytest.raises(grid.GridError) as e:
     grid.parse_axes([spec])
@@ -117,6 +122,7 @@ def test_a_root_of_another_grid_is_refused(tmp_path):
 
 # --- the summary on hand-made points -------------------------------------------------------------
 
+
 def fake_point(root, preset, seed, lr, loss, steps=10):
   """A finished point as lm-grid leaves it: config.json, the training log and point.json."""
   name = grid.point_name(preset, seed, {"train.lr": lr})
@@ -127,32 +133,63 @@ def fake_point(root, preset, seed, lr, loss, steps=10):
   (workdir / "config.json").write_text(c.to_json())
   writer = metrics.Writer(str(workdir))
   writer.write(0, "run", {"attention": preset, "num_params": 1000, "tokens_per_step": 32 * 128})
-  final = {"loss": loss, "perplexity": float(np.exp(loss)), "bits_per_byte": loss / 2,
-           "tokens": 100, "tokens_seen": steps * 32 * 128,
-           "loss_by_position": {"first_position": [0, 1, 2], "loss": [loss + 1, loss, loss - 1],
-                                "stderr": [0.1] * 3, "tokens": [10, 10, 20]}}
+  final = {
+      "loss": loss,
+      "perplexity": float(np.exp(loss)),
+      "bits_per_byte": loss / 2,
+      "tokens": 100,
+      "tokens_seen": steps * 32 * 128,
+      "loss_by_position": {
+          "first_position": [0, 1, 2],
+          "loss": [loss + 1, loss, loss - 1],
+          "stderr": [0.1] * 3,
+          "tokens": [10, 10, 20]
+      }
+  }
   writer.write(steps, "eval/validation", final)
   writer.close()
-  (workdir / "point.json").write_text(json.dumps(
-      {"name": name, "preset": preset, "seed": seed, "values": {"train.lr": lr}, "task": "lm",
-       "step": steps, "train_seconds": 1.0, "results": {"validation": final}}))
+  (workdir / "point.json").write_text(
+      json.dumps({
+          "name": name,
+          "preset": preset,
+          "seed": seed,
+          "values": {
+              "train.lr": lr
+          },
+          "task": "lm",
+          "step": steps,
+          "train_seconds": 1.0,
+          "results": {
+              "validation": final
+          }
+      }))
 
 
 def test_summary_picks_each_variants_lr_and_pairs_seeds(tmp_path):
-  losses = {("softmax", "1e-3"): [5.0, 5.2], ("softmax", "1e-2"): [4.0, 4.4],
-            ("hyla", "1e-3"): [4.6, 4.7], ("hyla", "1e-2"): [4.9, 5.1]}
+  losses = {
+      ("softmax", "1e-3"): [5.0, 5.2],
+      ("softmax", "1e-2"): [4.0, 4.4],
+      ("hyla", "1e-3"): [4.6, 4.7],
+      ("hyla", "1e-2"): [4.9, 5.1]
+  }
   for (preset, lr), per_seed in losses.items():
     for seed, loss in enumerate(per_seed):
       fake_point(tmp_path, preset, seed, lr, loss)
   text = grid_summary.write(tmp_path, TINY, ["train.lr"])
   summary = json.loads((tmp_path / "summary.json").read_text())
-  assert {p: r["values"]["train.lr"] for p, r in summary["best"].items()} == {"softmax": "1e-2", "hyla": "1e-3"}
+  assert {
+      p: r["values"]["train.lr"] for p, r in summary["best"].items()
+  } == {
+      "softmax": "1e-2",
+      "hyla": "1e-3"
+  }
   assert summary["best"]["softmax"]["validation loss"] == pytest.approx([4.2, 0.2])
   (pair,) = summary["paired"]
   # softmax − hyla per seed: 4.0 − 4.6 = −0.6 and 4.4 − 4.7 = −0.3: mean −0.45, s.e. 0.15.
   assert (pair["a"], pair["b"], pair["seeds"]) == ("softmax", "hyla", [0, 1])
   assert pair["validation loss"] == pytest.approx([-0.45, 0.15])
-  assert "| softmax − hyla | 0, 1 | -0.4500 ± 0.1500 |" in text and text.rstrip().endswith("curves_positions.png)")
+  assert "| softmax − hyla | 0, 1 | -0.4500 ± 0.1500 |" in text and text.rstrip().endswith(
+      "curves_positions.png)")
   assert "| softmax | train.lr=1e-2 | 0, 1 | 4.2000 ± 0.2000 |" in text
   for plot in ("sensitivity_train.lr.png", "curves.png", "curves_positions.png"):
     assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
@@ -175,8 +212,8 @@ def get_config():
 
 def run(cmd, **kw):
   env = {**os.environ, "PYTHONPATH": HERE}  # configs written here import tests/small.py
-  return subprocess.run([sys.executable, "-m", "eval.grid", *cmd], capture_output=True, text=True,
-                        env=env, timeout=600, **kw)
+  return subprocess.run([sys.executable, "-m", "eval.grid", *cmd], capture_output=True, text=True, env=env,
+                        timeout=600, **kw)
 
 
 def test_lm_grid_space_overrides_resume_and_summary(small_corpus, tmp_path):
@@ -185,15 +222,18 @@ def test_lm_grid_space_overrides_resume_and_summary(small_corpus, tmp_path):
   config = tmp_path / "config.py"
   config.write_text(SMALL.format(corpus=str(small_corpus)))
   root = tmp_path / "grid"
-  cmd = [f"--config={config}", "--attentions=softmax,linear", f"--workdir={root}", "--config.model.D",
-         "48", "--config.train.warmup_steps", "3"]
+  cmd = [
+      f"--config={config}", "--attentions=softmax,linear", f"--workdir={root}", "--config.model.D", "48",
+      "--config.train.warmup_steps", "3"
+  ]
   first = run(cmd)
   assert first.returncode == 0, first.stderr[-3000:]
   assert "grid: point 2 of 2: linear_seed0" in first.stdout
   configs = {n: json.loads((root / f"{n}_seed0" / "config.json").read_text()) for n in ("softmax", "linear")}
   for name, c in configs.items():
     assert (c["model"]["attention"], c["model"]["D"], c["train"]["warmup_steps"]) == (name, 48, 3)
-    assert json.loads((root / f"{name}_seed0" / "point.json").read_text())["results"]["validation"]["step"] == 4
+    assert json.loads(
+        (root / f"{name}_seed0" / "point.json").read_text())["results"]["validation"]["step"] == 4
   assert [c["model"].pop("attention") for c in configs.values()] == ["softmax", "linear"]
   assert configs["softmax"] == configs["linear"], "only the attention differs: same seed, same data order"
   summary = (root / "summary.md").read_text()
@@ -210,11 +250,14 @@ def test_lm_grid_space_overrides_resume_and_summary(small_corpus, tmp_path):
 
 
 def test_fuzzy_logic_grid_reports_ood_r2_and_latent_decoding(tmp_path):
-  cmd = ["--config=configs/fuzzy_logic.py", f"--root={tmp_path}", "--presets=hyla", "--seeds=0",
-         "--latent_examples=32", "--latent_paper_examples=64", "--config.eval.final_batches=1", "--config.model.D=16", "--config.model.qkv_dim=8", "--config.model.H=4",
-         "--config.model.F=32", "--config.model.attention_dropout=0.0", "--config.train.instances=240",
-         "--config.train.batch_size", "8", "--config.train.warmup_steps=3", "--config.eval.batch_size=16",
-         "--config.eval.batches=1", "--config.eval.every_steps=1000", "--config.checkpoint.every_steps=1000"]
+  cmd = [
+      "--config=configs/fuzzy_logic.py", f"--root={tmp_path}", "--presets=hyla", "--seeds=0",
+      "--latent_examples=32", "--latent_paper_examples=64", "--config.eval.final_batches=1",
+      "--config.model.D=16", "--config.model.qkv_dim=8", "--config.model.H=4", "--config.model.F=32",
+      "--config.model.attention_dropout=0.0", "--config.train.instances=240", "--config.train.batch_size",
+      "8", "--config.train.warmup_steps=3", "--config.eval.batch_size=16", "--config.eval.batches=1",
+      "--config.eval.every_steps=1000", "--config.checkpoint.every_steps=1000"
+  ]
   result = run(cmd)
   assert result.returncode == 0, result.stderr[-3000:]
   point = json.loads((tmp_path / "hyla_seed0" / "point.json").read_text())
@@ -223,4 +266,3 @@ def test_fuzzy_logic_grid_reports_ood_r2_and_latent_decoding(tmp_path):
   assert point["results"]["latent"]["paper_code"]["examples"] == 64  # lm-latent ran with our flags
   r2 = point["results"]["ood"]["r2"]
   assert f"| hyla | (config as given) | 0 | {r2:.4f} |" in (tmp_path / "summary.md").read_text()
-

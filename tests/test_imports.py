@@ -7,15 +7,22 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Each package and the packages it may import besides itself: launch → lm → data_pipelines, eval → lm.
-ALLOWED = {"launch": {"lm", "data_pipelines"}, "eval": {"lm", "data_pipelines"}, "lm": {"data_pipelines"},
-           "data_pipelines": set(), "configs": {"data_pipelines"}}
+ALLOWED = {
+    "launch": {"lm", "data_pipelines"},
+    "eval": {"lm", "data_pipelines"},
+    "lm": {"data_pipelines"},
+    "data_pipelines": set(),
+    "configs": {"data_pipelines"}
+}
 KERNELS = ("lm.attention_blocked", "lm.attention_linear", "lm.attention_softmax")
 
 
 def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
   """Module → the modules of ours it imports anywhere in its source (functions included)."""
-  modules = {".".join(p.relative_to(root).with_suffix("").parts): p
-             for package in ALLOWED for p in (root / package).rglob("*.py")}
+  modules = {
+      ".".join(p.relative_to(root).with_suffix("").parts): p for package in ALLOWED
+      for p in (root / package).rglob("*.py")
+  }
   modules = {m.removesuffix(".__init__"): p for m, p in modules.items()}
   graph = {}
   for module, path in modules.items():
@@ -25,8 +32,10 @@ def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
         names = [a.name for a in node.names]
       elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
         # `from lm import model` imports the module lm.model; `from lm.model import X`, lm.model.
-        names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                 for a in node.names]
+        names = [
+            f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+            for a in node.names
+        ]
       else:
         continue
       graph[module] |= {n for n in names if n in modules and n != module}
@@ -35,13 +44,15 @@ def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
 
 def problems(graph: dict[str, set[str]]) -> list[str]:
   """Upward imports and import cycles, as readable lines."""
+
   def rule(package):
     allowed = sorted(ALLOWED[package])
     return f"{package} may import only {', '.join(allowed)}" if allowed else f"{package} imports nothing"
 
-  found = [f"{m} imports {t}: {rule(m.split('.')[0])} of ours"
-           for m, targets in sorted(graph.items()) for t in sorted(targets)
-           if t.split(".")[0] not in ALLOWED[m.split(".")[0]] | {m.split(".")[0]}]
+  found = [
+      f"{m} imports {t}: {rule(m.split('.')[0])} of ours" for m, targets in sorted(graph.items())
+      for t in sorted(targets) if t.split(".")[0] not in ALLOWED[m.split(".")[0]] | {m.split(".")[0]}
+  ]
   try:
     graphlib.TopologicalSorter(graph).prepare()
   except graphlib.CycleError as e:

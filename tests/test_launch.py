@@ -35,8 +35,8 @@ def dry_run(capsys, action: str, *argv: str) -> list[str]:
 
 
 def launch(*argv: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", "launch.cli", *argv], cwd=ROOT, text=True,
-                        capture_output=True, timeout=60)
+  return subprocess.run([sys.executable, "-m", "launch.cli", *argv], cwd=ROOT, text=True, capture_output=True,
+                        timeout=60)
 
 
 def test_create_dry_run(capsys):
@@ -45,9 +45,10 @@ def test_create_dry_run(capsys):
       f"gcloud compute tpus tpu-vm create lm-tpu --accelerator-type=v5litepod-16 "
       f"--version=v2-alpha-tpuv5-lite {WHERE}",
   ]
-  assert dry_run(capsys, "create", "--spot", "--name=big")[1] == (
-      f"gcloud compute tpus tpu-vm create big --accelerator-type=v5litepod-16 "
-      f"--version=v2-alpha-tpuv5-lite --spot {WHERE}")
+  assert dry_run(
+      capsys, "create", "--spot",
+      "--name=big")[1] == (f"gcloud compute tpus tpu-vm create big --accelerator-type=v5litepod-16 "
+                           f"--version=v2-alpha-tpuv5-lite --spot {WHERE}")
 
 
 def test_queued_create_and_delete_dry_run(capsys):
@@ -58,8 +59,8 @@ def test_queued_create_and_delete_dry_run(capsys):
       f"--accelerator-type=v5litepod-16 --runtime-version=v2-alpha-tpuv5-lite --spot {WHERE}",
       describe,  # Waits until the queued resource is granted.
   ]
-  assert dry_run(capsys, "delete", "--queued") == [
-      f"gcloud compute tpus queued-resources delete lm-tpu --force {WHERE}"]
+  assert dry_run(capsys, "delete",
+                 "--queued") == [f"gcloud compute tpus queued-resources delete lm-tpu --force {WHERE}"]
   assert dry_run(capsys, "delete") == [f"gcloud compute tpus tpu-vm delete lm-tpu {WHERE}"]
 
 
@@ -71,10 +72,14 @@ def test_install_dry_run(capsys):
             " && ~/.local/bin/uv pip install -q --python ~/.venv-hyla-lm/bin/python -e '.[tpu]'")
   assert [shlex.split(line) for line in dry_run(capsys, "install")] == [
       ["git", "-C", str(ROOT), "archive", "--format=tar.gz", f"--output={archive}", "HEAD"],
-      ["gcloud", "compute", "tpus", "tpu-vm", "scp", str(archive), "lm-tpu:hyla-lm.tar.gz",
-       "--worker=all", *WHERE.split()],
-      ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "lm-tpu", "--worker=all", f"--command={script}",
-       *WHERE.split()],
+      [
+          "gcloud", "compute", "tpus", "tpu-vm", "scp",
+          str(archive), "lm-tpu:hyla-lm.tar.gz", "--worker=all", *WHERE.split()
+      ],
+      [
+          "gcloud", "compute", "tpus", "tpu-vm", "ssh", "lm-tpu", "--worker=all", f"--command={script}",
+          *WHERE.split()
+      ],
   ]
 
 
@@ -98,7 +103,8 @@ def test_run_logs_stop_dry_run(capsys):
   assert shlex.split(start) == [*train, "--jax_distributed"]
 
   assert dry_run(capsys, "logs", "--worker=2") == [
-      f"gcloud compute tpus tpu-vm ssh lm-tpu --worker=2 '--command=tail -n 100 -F ~/lm-train.log' {WHERE}"]
+      f"gcloud compute tpus tpu-vm ssh lm-tpu --worker=2 '--command=tail -n 100 -F ~/lm-train.log' {WHERE}"
+  ]
   [stop] = dry_run(capsys, "stop")
   assert shlex.split(stop)[5:7] == ["lm-tpu", "--worker=all"]
 
@@ -110,10 +116,9 @@ def test_up_dry_run_for_a_queued_spot_v5e_16_slice(capsys):
   lines = dry_run(capsys, "up", "--queued", "--spot", "--accelerator-type=v5litepod-16", "--", *train)
   describe = f"gcloud compute tpus queued-resources describe lm-tpu '--format=value(state.state)' {WHERE}"
   assert lines[:3] == [
-      describe,
-      f"gcloud compute tpus queued-resources create lm-tpu --node-id=lm-tpu "
-      f"--accelerator-type=v5litepod-16 --runtime-version=v2-alpha-tpuv5-lite --spot {WHERE}",
-      describe]
+      describe, f"gcloud compute tpus queued-resources create lm-tpu --node-id=lm-tpu "
+      f"--accelerator-type=v5litepod-16 --runtime-version=v2-alpha-tpuv5-lite --spot {WHERE}", describe
+  ]
   archive, scp, install, start = map(shlex.split, lines[3:7])
   assert archive[:4] == ["git", "-C", str(ROOT), "archive"]
   assert scp[4:6] == ["scp", archive[-2].removeprefix("--output=")] and "--worker=all" in scp
@@ -124,7 +129,8 @@ def test_up_dry_run_for_a_queued_spot_v5e_16_slice(capsys):
       f"# then, to follow the log: gcloud compute tpus tpu-vm ssh lm-tpu --worker=0 "
       f"'--command=tail -n 100 -F ~/lm-train.log' {WHERE}",
       f"# then, to stop training: {shlex.join(tpu.ssh_command(SLICE, tpu.STOP_SCRIPT))}",
-      f"# then, to delete the slice: gcloud compute tpus queued-resources delete lm-tpu --force {WHERE}"]
+      f"# then, to delete the slice: gcloud compute tpus queued-resources delete lm-tpu --force {WHERE}"
+  ]
 
 
 def test_remote_run_and_stop_scripts(tmp_path):
@@ -190,8 +196,8 @@ def test_queued_create_waits_until_active():
 def test_up_reuses_ready_slice_and_reports_failures(capsys):
   fake = FakeGcloud(["READY"])
   assert cli.main(["tpu", "up", "--", "lm-train", "--config=configs/tiny.py"], runner=fake) == 0
-  assert [c[:2] if c[0] == "git" else c[4] for c in fake.calls] == [
-      "describe", ["git", "-C"], "scp", "ssh", "ssh"]
+  assert [c[:2] if c[0] == "git" else c[4] for c in fake.calls
+         ] == ["describe", ["git", "-C"], "scp", "ssh", "ssh"]
   assert "reusing lm-tpu (READY)" in capsys.readouterr().out
 
   with pytest.raises(tpu.LaunchError, match="is PREEMPTED; delete it first"):
@@ -309,13 +315,13 @@ def test_processes_restart_after_a_failure_up_to_max_restarts(tmp_path, failures
 def test_processes_forward_sigterm(tmp_path):
   script = tmp_path / "child.py"
   script.write_text(textwrap.dedent(CHILD.format(tmp=str(tmp_path), fails=-1)))
-  proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "processes", "-n", "2", "--",
-                           sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "launch.cli", "processes", "-n", "2", "--", sys.executable,
+       str(script)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
   assert sorted(proc.stdout.readline() for _ in range(2)) == ["[0] ready\n", "[1] ready\n"]
   proc.send_signal(signal.SIGTERM)
   assert proc.wait(timeout=30) == 0  # both children handled SIGTERM and exited 0
   assert (tmp_path / "term0").exists() and (tmp_path / "term1").exists()
-
 
 
 @pytest.mark.parametrize("script,expected", [("lm-train", ("--config", "--workdir")),
@@ -323,15 +329,16 @@ def test_processes_forward_sigterm(tmp_path):
 def test_console_script_help_lists_its_flags(script, expected):
   # An installed console script's main module is a generated wrapper that defines no flags, so
   # absl's --help listed none before lm.cli registered them under the wrapper's name.
-  out = subprocess.run([str(Path(sys.executable).parent / script), "--help"], capture_output=True,
-                       text=True, timeout=120)
+  out = subprocess.run([str(Path(sys.executable).parent / script), "--help"], capture_output=True, text=True,
+                       timeout=120)
   for flag in expected:
     assert f"  {flag}:" in out.stdout, out.stdout
 
 
-@pytest.mark.parametrize("flag", ["--name=--zone=x", "--name=Big_TPU", "--name=lm-tpu-", "--zone=--x",
-                                  "--project=p; rm -rf ~", "--accelerator-type=v5e",
-                                  "--runtime-version=-x"])
+@pytest.mark.parametrize("flag", [
+    "--name=--zone=x", "--name=Big_TPU", "--name=lm-tpu-", "--zone=--x", "--project=p; rm -rf ~",
+    "--accelerator-type=v5e", "--runtime-version=-x"
+])
 def test_tpu_values_are_checked_as_gcp_does(capsys, flag):
   """A value gcloud would refuse, or read as a flag of its own, stops before any command runs."""
   with pytest.raises(SystemExit) as e:

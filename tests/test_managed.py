@@ -12,8 +12,7 @@ import yaml
 
 from launch import cli, managed, tpu
 
-TRAIN = ["lm-train", "--config=configs/c4_50m.py", "--workdir=gs://b/runs/c4",
-         "--config.name=it's mine"]
+TRAIN = ["lm-train", "--config=configs/c4_50m.py", "--workdir=gs://b/runs/c4", "--config.name=it's mine"]
 
 
 @pytest.fixture(autouse=True)
@@ -41,8 +40,11 @@ def test_dry_run_prints_a_task_that_skypilot_parses(capsys):
   assert resources.accelerators == {"tpu-v5litepod-16": 1}
   assert resources.accelerator_args["runtime_version"] == "v2-alpha-tpuv5-lite"
   assert resources.use_spot and str(resources.cloud) == "GCP"
-  assert resources.job_recovery == {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 5,
-                                    "recover_on_exit_codes": [75]}  # The watchdog's status.
+  assert resources.job_recovery == {
+      "strategy": "EAGER_NEXT_REGION",
+      "max_restarts_on_errors": 5,
+      "recover_on_exit_codes": [75]
+  }  # The watchdog's status.
   assert task.workdir == str(tpu.ROOT)
   assert task.setup.splitlines() == ["set -e", *tpu.install_steps()]
   assert task.run.startswith(f"{tpu.VENV_PATH} exec ")
@@ -54,7 +56,8 @@ def test_dry_run_prints_a_task_that_skypilot_parses(capsys):
       f"sky jobs launch --name=c4-hyla --detach-run {task_file}",
       "# then, to follow the log: sky jobs logs --name=c4-hyla",
       "# then, to see its state and recoveries: sky jobs queue",
-      "# then, to stop it: sky jobs cancel --name=c4-hyla"]
+      "# then, to stop it: sky jobs cancel --name=c4-hyla"
+  ]
   assert os.listdir(tempfile.gettempdir()) == []  # A dry run writes nothing.
 
 
@@ -86,8 +89,8 @@ def test_submits_the_task_file_with_sky(capsys):
   assert managed.to_yaml(config) == text
   assert "sky jobs logs --name=lm-train" in capsys.readouterr().out
 
-  assert cli.main(["sky", "--", *TRAIN], runner=lambda argv, capture: subprocess.CompletedProcess(
-      argv, 2, stdout="")) == 1
+  assert cli.main(["sky", "--", *TRAIN],
+                  runner=lambda argv, capture: subprocess.CompletedProcess(argv, 2, stdout="")) == 1
   assert "exit status 2 from: sky jobs launch" in capsys.readouterr().err
 
 

@@ -80,8 +80,8 @@ def test_bidirectional_model_sees_the_future():
 def test_relative_buckets_follow_t5():
   rel = jnp.arange(-200, 201)
   causal = model_lib.relative_bucket(rel, bidirectional=False, num_buckets=32, max_distance=128)
-  assert int(causal[200]) == 0 and int(causal[199]) == 1        # same position; one step back
-  assert np.all(np.asarray(causal[201:]) == 0)                   # the future shares bucket 0
+  assert int(causal[200]) == 0 and int(causal[199]) == 1  # same position; one step back
+  assert np.all(np.asarray(causal[201:]) == 0)  # the future shares bucket 0
   assert int(causal[0]) == 31 and np.all(np.diff(np.asarray(causal[:201])) <= 0)
   both = model_lib.relative_bucket(rel, bidirectional=True, num_buckets=32, max_distance=128)
   assert int(both[201]) == 17 and int(both[199]) == 1 and int(both[400]) == 31
@@ -92,19 +92,19 @@ def test_rotary_preserves_norms_and_depends_on_relative_offset():
   pos = lambda p: jnp.full((1, 1), p)
   np.testing.assert_allclose(jnp.linalg.norm(model_lib.rotary(x, pos(7), 1e4), axis=-1),
                              jnp.linalg.norm(x, axis=-1), rtol=1e-5)
-  dot = lambda a, b: float(jnp.sum(model_lib.rotary(x, pos(a), 1e4)[..., 0, :]
-                                   * model_lib.rotary(x, pos(b), 1e4)[..., 1, :]))
+  dot = lambda a, b: float(
+      jnp.sum(model_lib.rotary(x, pos(a), 1e4)[..., 0, :] * model_lib.rotary(x, pos(b), 1e4)[..., 1, :]))
   assert dot(3, 1) == pytest.approx(dot(12, 10), rel=1e-4)
 
 
 def test_remat_and_bfloat16_keep_the_function():
   m, params, tokens_bt = _model(attention="hyla")
   ref = m.apply({"params": params}, tokens_bt)
-  remat = model_lib.Transformer(model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla",
-                                                      remat=True))
+  remat = model_lib.Transformer(
+      model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla", remat=True))
   np.testing.assert_allclose(remat.apply({"params": params}, tokens_bt), ref, rtol=1e-5, atol=1e-5)
-  bf16 = model_lib.Transformer(model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla",
-                                                     dtype="bfloat16"))
+  bf16 = model_lib.Transformer(
+      model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla", dtype="bfloat16"))
   out = bf16.apply({"params": params}, tokens_bt)
   assert out.dtype == jnp.float32 and np.abs(np.asarray(out) - np.asarray(ref)).max() < 0.1
   assert jax.tree.leaves(params)[0].dtype == jnp.float32
@@ -118,8 +118,8 @@ def test_hybrid_layers_compute_what_their_presets_compute():
   x_btd = jax.random.normal(jax.random.key(3), (2, 12, 32))
   pos_bt = jnp.broadcast_to(jnp.arange(12), (2, 12))
   for i, (name, other) in enumerate([("softmax", "hyla"), ("hyla", "softmax")]):
-    block = lambda cfg: model_lib.Block(cfg, i).apply({"params": params[f"block_{i}"]}, x_btd, pos_bt,
-                                                     None, None)
+    block = lambda cfg: model_lib.Block(cfg, i).apply({"params": params[f"block_{i}"]}, x_btd, pos_bt, None,
+                                                      None)
     single = lambda preset: block(dataclasses.replace(hybrid, attention=preset))
     np.testing.assert_allclose(block(hybrid), single(name), rtol=1e-6, atol=1e-6)
     assert not np.allclose(block(hybrid), single(other), atol=1e-3)
@@ -149,5 +149,6 @@ def test_bad_hybrid_fails_with_a_clear_message(attention, message):
 def test_checkpoint_compatibility_compares_layers():
   saved = {"model": {"attention": "hyla,softmax", "L": 4}}
   checkpointing.check_compatible(saved, {"model": {"attention": "hyla,softmax,hyla,softmax", "L": 4}})
-  with pytest.raises(ValueError, match="model.attention: checkpoint has 'hyla,softmax', config has 'softmax,hyla'"):
+  with pytest.raises(ValueError,
+                     match="model.attention: checkpoint has 'hyla,softmax', config has 'softmax,hyla'"):
     checkpointing.check_compatible(saved, {"model": {"attention": "softmax,hyla", "L": 4}})

@@ -4,14 +4,13 @@ lapses)."""
 
 import re
 import socket
-import subprocess
 import time
 
 import pytest
 from etils import epath
+from test_checkpoint import run_until, trainer
 
 from lm import ownership
-from test_checkpoint import run_until, trainer
 
 LONG = 100_000  # steps: the owner is killed long before it would finish
 
@@ -23,8 +22,9 @@ def refusal(proc) -> str:
 
 
 def names_owner(output: str, owner) -> bool:
-  return re.search(rf"is in use by another job: host {re.escape(socket.gethostname())}, pid "
-                   rf"{owner.pid}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC", output) is not None
+  return re.search(
+      rf"is in use by another job: host {re.escape(socket.gethostname())}, pid "
+      rf"{owner.pid}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC", output) is not None
 
 
 @pytest.mark.parametrize("where", ["local", "gs"])
@@ -49,8 +49,9 @@ def test_one_job_per_workdir_and_a_dead_owner_is_replaced(small_corpus, tmp_path
   owner.kill()
   owner.wait()
   if where == "gs":
-    with pytest.raises(ownership.WorkdirError, match="its lease was renewed .* ago; a job that dies "
-                       "releases the workdir 6s after its last renewal"):
+    with pytest.raises(
+        ownership.WorkdirError, match="its lease was renewed .* ago; a job that dies "
+        "releases the workdir 6s after its last renewal"):
       with ownership.hold(workdir, lease_seconds=1):
         pass
     time.sleep(6)

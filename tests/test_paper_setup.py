@@ -17,25 +17,63 @@ from lm import model as model_lib, optimizer, tasks_compositional as tc
 
 # The paper code's values; (model, train, data, eval) fields of our configs.
 SRAVEN = {
-    "model.L": 4, "model.D": 128, "model.H": 16, "model.qkv_dim": 64, "model.F": 256,
-    "model.causal": False, "model.attention_dropout": 0.1, "model.positions": "relative_bias",
-    "model.relative_buckets": 36, "model.relative_max_distance": 36,
-    "model.relative_bidirectional": False, "model.relative_bias_per_layer": True,
-    "train.batch_size": 128, "train.lr": 1e-3, "train.warmup_steps": 1000, "train.steps": 156_250,
-    "train.schedule": "cosine_paper_code", "train.end_lr_frac": 0.1, "train.b1": 0.9,
-    "train.b2": 0.999, "train.eps": 1e-8, "train.weight_decay": 0.1, "train.grad_clip": 0.0,
-    "data.frac_ood": 0.25, "data.permute_features": True, "data.split_seed": -1,
+    "model.L": 4,
+    "model.D": 128,
+    "model.H": 16,
+    "model.qkv_dim": 64,
+    "model.F": 256,
+    "model.causal": False,
+    "model.attention_dropout": 0.1,
+    "model.positions": "relative_bias",
+    "model.relative_buckets": 36,
+    "model.relative_max_distance": 36,
+    "model.relative_bidirectional": False,
+    "model.relative_bias_per_layer": True,
+    "train.batch_size": 128,
+    "train.lr": 1e-3,
+    "train.warmup_steps": 1000,
+    "train.steps": 156_250,
+    "train.schedule": "cosine_paper_code",
+    "train.end_lr_frac": 0.1,
+    "train.b1": 0.9,
+    "train.b2": 0.999,
+    "train.eps": 1e-8,
+    "train.weight_decay": 0.1,
+    "train.grad_clip": 0.0,
+    "data.frac_ood": 0.25,
+    "data.permute_features": True,
+    "data.split_seed": -1,
 }
 FUZZY = {
-    "model.L": 2, "model.D": 128, "model.H": 8, "model.qkv_dim": 16, "model.F": 256,
-    "model.causal": False, "model.attention_dropout": 0.1, "model.positions": "relative_bias",
-    "model.relative_buckets": 32, "model.relative_max_distance": 32,
-    "model.relative_bidirectional": False, "model.relative_bias_per_layer": True,
-    "train.batch_size": 128, "train.lr": 1e-3, "train.warmup_steps": 100, "train.steps": 50_000,
-    "train.schedule": "cosine_paper_code", "train.end_lr_frac": 0.1, "train.b1": 0.9,
-    "train.b2": 0.999, "train.eps": 1e-8, "train.weight_decay": 0.1, "train.grad_clip": 0.0,
-    "data.num_vars": 4, "data.num_terms": 2, "data.seq_len": 32, "data.frac_test": 0.7,
-    "data.frac_unknown": 0.25, "data.split_seed": -1,
+    "model.L": 2,
+    "model.D": 128,
+    "model.H": 8,
+    "model.qkv_dim": 16,
+    "model.F": 256,
+    "model.causal": False,
+    "model.attention_dropout": 0.1,
+    "model.positions": "relative_bias",
+    "model.relative_buckets": 32,
+    "model.relative_max_distance": 32,
+    "model.relative_bidirectional": False,
+    "model.relative_bias_per_layer": True,
+    "train.batch_size": 128,
+    "train.lr": 1e-3,
+    "train.warmup_steps": 100,
+    "train.steps": 50_000,
+    "train.schedule": "cosine_paper_code",
+    "train.end_lr_frac": 0.1,
+    "train.b1": 0.9,
+    "train.b2": 0.999,
+    "train.eps": 1e-8,
+    "train.weight_decay": 0.1,
+    "train.grad_clip": 0.0,
+    "data.num_vars": 4,
+    "data.num_terms": 2,
+    "data.seq_len": 32,
+    "data.frac_test": 0.7,
+    "data.frac_unknown": 0.25,
+    "data.split_seed": -1,
 }
 
 
@@ -124,15 +162,15 @@ def test_one_sided_buckets_as_the_paper_code_builds_them():
 
 
 def test_per_layer_bias_tables():
-  cfg = model_lib.ModelConfig(V=8, D=8, H=2, L=3, F=8, input_dim=8, causal=False,
-                              positions="relative_bias", relative_buckets=6, relative_max_distance=6,
-                              relative_bidirectional=False, relative_bias_per_layer=True,
-                              attention="linear", attention_impl="reference")
+  cfg = model_lib.ModelConfig(V=8, D=8, H=2, L=3, F=8, input_dim=8, causal=False, positions="relative_bias",
+                              relative_buckets=6, relative_max_distance=6, relative_bidirectional=False,
+                              relative_bias_per_layer=True, attention="linear", attention_impl="reference")
   m = model_lib.Transformer(cfg)
   x = jax.random.normal(jax.random.key(0), (1, 6, 8))
   params = nn.meta.unbox(m.init(jax.random.key(1), x)["params"])
   assert sorted(k for k in params if k.startswith("relative_bias")) == [
-      "relative_bias_0", "relative_bias_1", "relative_bias_2"]
+      "relative_bias_0", "relative_bias_1", "relative_bias_2"
+  ]
   assert params["relative_bias_0"].shape == (6, 2)
   shared = model_lib.Transformer(cfg.__class__(**{**cfg.__dict__, "relative_bias_per_layer": False}))
   assert "relative_bias" in shared.init(jax.random.key(1), x)["params"]

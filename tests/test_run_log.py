@@ -39,8 +39,9 @@ def test_an_old_single_file_log_is_read_first_and_a_cut_line_skipped(tmp_path, c
 
 
 def test_no_log_names_the_fix(tmp_path):
-  with pytest.raises(ValueError, match=re.escape(f"{tmp_path} has no training log (metrics/*.jsonl): "
-                                                 f"it is not a training workdir (lm-train --workdir=")):
+  with pytest.raises(
+      ValueError, match=re.escape(f"{tmp_path} has no training log (metrics/*.jsonl): "
+                                  f"it is not a training workdir (lm-train --workdir=")):
     run_log.read(tmp_path)
 
 

@@ -19,15 +19,18 @@ def _specs(tree, params):
   return jax.tree.map(lambda s: s.spec, sharding.shardings(tree, _mesh(), params=params))
 
 
-@pytest.mark.parametrize("fields", [dict(positions="relative_bias"),
-                                    dict(positions="learned", tied_embeddings=True),
-                                    dict(input_dim=3)])
+@pytest.mark.parametrize(
+    "fields",
+    [dict(positions="relative_bias"),
+     dict(positions="learned", tied_embeddings=True),
+     dict(input_dim=3)])
 def test_every_model_parameter_declares_its_layout_and_the_optimiser_follows(fields):
   cfg = model_lib.ModelConfig(V=8, D=8, H=2, L=1, F=16, **fields)
   inputs = jnp.zeros((1, 4, 3)) if cfg.input_dim else jnp.zeros((1, 4), jnp.int32)
-  opt = optimizer.make(ml_collections.ConfigDict(dict(
-      grad_clip=1.0, lr=1e-3, b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1, steps=10, warmup_steps=1,
-      end_lr_frac=0.1)))
+  opt = optimizer.make(
+      ml_collections.ConfigDict(
+          dict(grad_clip=1.0, lr=1e-3, b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1, steps=10, warmup_steps=1,
+               end_lr_frac=0.1)))
 
   def init(rng):
     params = model_lib.Transformer(cfg).init(rng, inputs)["params"]
@@ -59,7 +62,9 @@ def test_an_unknown_logical_axis_is_an_error():
 def test_a_dimension_the_mesh_axis_does_not_divide_stays_replicated():
   mesh = AbstractMesh((1, 2, 1), sharding.AXES)
   init = nn.with_logical_partitioning(nn.initializers.zeros, ("embed", None))
-  params = jax.eval_shape(lambda: {"odd": init(jax.random.key(0), (3, 2)),
-                                   "even": init(jax.random.key(0), (4, 2))})
+  params = jax.eval_shape(lambda: {
+      "odd": init(jax.random.key(0), (3, 2)),
+      "even": init(jax.random.key(0), (4, 2))
+  })
   specs = jax.tree.map(lambda s: s.spec, sharding.shardings(params, mesh, params=params))
   assert specs == {"odd": P(None, None), "even": P("fsdp", None)}

@@ -109,8 +109,11 @@ def test_deterministic_in_seed_and_step():
   for key, value in sraven.sample_batch(5, 11, 32).items():
     np.testing.assert_array_equal(value, first[key])
   # "test" holds fresh instances of the training tasks, so the split must enter the stream too.
-  changed = [sraven.sample_batch(5, 12, 32), sraven.sample_batch(6, 11, 32),
-             sraven.sample_batch(5, 11, 32, "test")]
+  changed = [
+      sraven.sample_batch(5, 12, 32),
+      sraven.sample_batch(6, 11, 32),
+      sraven.sample_batch(5, 11, 32, "test")
+  ]
   assert not any(np.array_equal(sraven.shown_values(first), sraven.shown_values(batch)) for batch in changed)
 
 
@@ -204,4 +207,3 @@ def test_ambiguous_instance_rate(permute, low, high):
 def test_bad_split_names_the_choices():
   with pytest.raises(ValueError, match="train, test, ood"):
     sraven.sample_batch(0, 0, 4, "validation")
-

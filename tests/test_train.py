@@ -8,12 +8,12 @@ import sys
 
 import numpy as np
 import pytest
+from small import small_config
 
 from configs import tiny
 from data_pipelines import pipeline, sources
 from lm import attention, run_log, train
 from lm.experiment import Experiment
-from small import small_config
 
 
 def test_training_lowers_validation_loss_and_logs(small_corpus, tmp_path, capsys):
@@ -57,19 +57,23 @@ def test_a_cpu_run_prints_no_libtpu_lines(small_corpus, tmp_path):
                     f"  c = small_config({str(small_corpus)!r})\n  c.train.steps = 2\n  return c\n")
   env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
   env.pop("JAX_PLATFORMS", None)
-  result = subprocess.run([sys.executable, "-m", "lm.train", f"--config={config}",
-                           f"--workdir={tmp_path / 'run'}"], capture_output=True, text=True, env=env,
-                          timeout=300)
+  result = subprocess.run(
+      [sys.executable, "-m", "lm.train", f"--config={config}", f"--workdir={tmp_path / 'run'}"],
+      capture_output=True, text=True, env=env, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "step 2/2 | loss" in result.stdout
-  noise = [l for l in (result.stdout + result.stderr).splitlines()
-           if re.search(r"libtpu|TPU_|INVALID_ARGUMENT|InitGoogle|Source Location Trace", l)]
+  noise = [
+      l for l in (result.stdout + result.stderr).splitlines()
+      if re.search(r"libtpu|TPU_|INVALID_ARGUMENT|InitGoogle|Source Location Trace", l)
+  ]
   assert not noise, "\n".join(noise)
 
 
 def test_bad_attention_name_stops_before_training(tmp_path):
-  cmd = [sys.executable, "-m", "lm.train", "--config=configs/tiny.py", f"--workdir={tmp_path}",
-         "--config.model.attention=hyla2"]
+  cmd = [
+      sys.executable, "-m", "lm.train", "--config=configs/tiny.py", f"--workdir={tmp_path}",
+      "--config.model.attention=hyla2"
+  ]
   result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
   assert result.returncode != 0
   assert "lm-train: unknown attention 'hyla2'; choose one of: softmax, linear, hyla" in result.stderr
@@ -78,9 +82,11 @@ def test_bad_attention_name_stops_before_training(tmp_path):
 
 # The first step of a fixed model on a fixed batch, measured when the test was written (jax 0.10.2,
 # CPU). Per preset: (loss, gradient norm before clipping).
-GOLDEN_FIRST_STEP = {"softmax": (4.650096893310547, 1.4470826387405396),
-                     "linear": (4.578351974487305, 2.2480928897857666),
-                     "hyla": (4.573303699493408, 4.1600847244262695)}
+GOLDEN_FIRST_STEP = {
+    "softmax": (4.650096893310547, 1.4470826387405396),
+    "linear": (4.578351974487305, 2.2480928897857666),
+    "hyla": (4.573303699493408, 4.1600847244262695)
+}
 
 
 def fixed_batch(V: int, B: int, T: int) -> dict[str, np.ndarray]:
@@ -88,8 +94,11 @@ def fixed_batch(V: int, B: int, T: int) -> dict[str, np.ndarray]:
   seg_bt = np.broadcast_to(np.where(np.arange(T + 1) < 10, 1, 2), (B, T + 1))
   pos_bt = np.where(seg_bt == 1, np.arange(T + 1), np.arange(T + 1) - 10)
   tokens_bt = np.random.default_rng(0).integers(4, V, (B, T + 1))
-  return pipeline.to_model_batch(
-      {"inputs": tokens_bt, "inputs_segment_ids": seg_bt, "inputs_positions": pos_bt})
+  return pipeline.to_model_batch({
+      "inputs": tokens_bt,
+      "inputs_segment_ids": seg_bt,
+      "inputs_positions": pos_bt
+  })
 
 
 @pytest.mark.parametrize("name", list(GOLDEN_FIRST_STEP))
@@ -101,31 +110,34 @@ def test_first_step_matches_the_golden_values(name):
   exp = Experiment(c)  # builds no data: the batch is given
   _, stats = exp.train_step(exp.init_state(), exp.global_batch(fixed_batch(64, 4, 16)))
   got = (float(stats["loss"]), float(stats["grad_norm"]))
-  np.testing.assert_allclose(got, GOLDEN_FIRST_STEP[name], rtol=2e-5, err_msg=(
-      f"the first training step of {name} attention changed (loss, gradient norm). The same seed, "
-      "config and batch now give other numbers: the model, its initialisation, the attention core "
-      "or the loss computes something else. If that change is intended, say so in the commit message "
-      "and update GOLDEN_FIRST_STEP; if not, it is a bug. A difference near 1e-6 alone is only "
-      "floating-point summation order (another jax version or kernel)."))
+  np.testing.assert_allclose(
+      got, GOLDEN_FIRST_STEP[name], rtol=2e-5, err_msg=(
+          f"the first training step of {name} attention changed (loss, gradient norm). The same seed, "
+          "config and batch now give other numbers: the model, its initialisation, the attention core "
+          "or the loss computes something else. If that change is intended, say so in the commit message "
+          "and update GOLDEN_FIRST_STEP; if not, it is a bug. A difference near 1e-6 alone is only "
+          "floating-point summation order (another jax version or kernel)."))
 
 
-@pytest.mark.parametrize("field, value", [("train.steps", 0), ("train.steps", -5),
-                                          ("train.microbatches", 0), ("checkpoint.every_steps", 0),
-                                          ("eval.every_steps", 0), ("data.seq_len", 0)])
+@pytest.mark.parametrize("field, value", [("train.steps", 0), ("train.steps", -5), ("train.microbatches", 0),
+                                          ("checkpoint.every_steps", 0), ("eval.every_steps", 0),
+                                          ("data.seq_len", 0)])
 def test_counts_below_one_are_refused_by_name(field, value):
   c = tiny.get_config()
   section, name = field.split(".")
   c[section][name] = value
-  with pytest.raises(ValueError, match=rf"^{field}={value} counts something and must be a whole "
-                     rf"number of at least 1; set --config.{field}=N$"):
+  with pytest.raises(
+      ValueError, match=rf"^{field}={value} counts something and must be a whole "
+      rf"number of at least 1; set --config.{field}=N$"):
     Experiment(c)
 
 
 def test_a_microbatch_split_that_does_not_fit_names_the_batch_size():
   c = tiny.get_config()
   c.train.update(batch_size=32, microbatches=3)
-  with pytest.raises(ValueError, match=r"train.batch_size=32 does not split into "
-                     r"train.microbatches=3 microbatches .*; choose a multiple of 3$"):
+  with pytest.raises(
+      ValueError, match=r"train.batch_size=32 does not split into "
+      r"train.microbatches=3 microbatches .*; choose a multiple of 3$"):
     Experiment(c)
 
 
@@ -135,12 +147,12 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
     train.train_and_evaluate(tiny.get_config(), str(tmp_path / "run"))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--config=configs/nope.py"],
-     "cannot load --config: [Errno 2] No such file or directory: 'configs/nope.py'"),
-    (["--config=configs/tiny.py", "--config.train.stpes=3"],
-     "no config field 'stpes' (from a --config.* override); "
-     "Did you mean \"steps\" instead of \"stpes\"?")])
+@pytest.mark.parametrize("args, message",
+                         [(["--config=configs/nope.py"
+                           ], "cannot load --config: [Errno 2] No such file or directory: 'configs/nope.py'"),
+                          (["--config=configs/tiny.py", "--config.train.stpes=3"
+                           ], "no config field 'stpes' (from a --config.* override); "
+                           "Did you mean \"steps\" instead of \"stpes\"?")])
 def test_config_mistakes_are_one_line(tmp_path, args, message):
   result = subprocess.run([sys.executable, "-m", "lm.train", f"--workdir={tmp_path}", *args],
                           capture_output=True, text=True, timeout=120)

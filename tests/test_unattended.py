@@ -60,23 +60,25 @@ def test_summarize_moves_repeated_steps_and_counts_time_down():
       # The second started at t=330 (its clock's wall before its last record), from step 8.
       record("run", 8, 340.0),
       record("train", 20, 400.0, loss=1.0),
-      record("goodput", 20, 400.0, **phases(starting=5.0, restoring=5.0, compiling=10.0,
-                                            training=40.0, evaluating=10.0), wall=70.0),
+      record("goodput", 20, 400.0,
+             **phases(starting=5.0, restoring=5.0, compiling=10.0, training=40.0, evaluating=10.0),
+             wall=70.0),
   ]
   s = goodput.summarize(records)
   # Steps 9 and 10 ran twice: 2 of the first process's 10 steps at 10 s each.
   assert s["repeated"] == 20.0 and s["training"] == 100.0 + 40.0 - 20.0
   assert s["down"] == 330.0 - 150.0
-  assert (s["starting"], s["restoring"], s["compiling"], s["checkpointing"], s["evaluating"]) == (
-      15.0, 5.0, 30.0, 20.0, 10.0)
+  assert (s["starting"], s["restoring"], s["compiling"], s["checkpointing"],
+          s["evaluating"]) == (15.0, 5.0, 30.0, 20.0, 10.0)
   assert s["wall"] == 400.0 and s["goodput"] == 120.0 / 400.0 and s["restarts"] == 1
 
 
-WANDB = ml_collections.ConfigDict(dict(wandb_project="hyla", wandb_entity="", wandb_mode="offline",
-                                       wandb_dir=""))
+WANDB = ml_collections.ConfigDict(
+    dict(wandb_project="hyla", wandb_entity="", wandb_mode="offline", wandb_dir=""))
 
 
 class RunLog:
+
   def __init__(self):
     self.records, self.closed = [], False
 
@@ -115,8 +117,13 @@ def test_wandb_gets_every_number_and_a_restart_continues_the_run(tmp_path):
   run_id = (workdir / "wandb_run_id").read_text()
   files = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb")))
   assert [os.path.basename(f) for f in files] == [f"run-{run_id}.wandb"] * 2
-  assert [wandb_history(f) for f in files] == [[{"step": 12, "train/loss": 1.2}],
-                                              [{"step": 11, "train/loss": 1.1}]]
+  assert [wandb_history(f) for f in files] == [[{
+      "step": 12,
+      "train/loss": 1.2
+  }], [{
+      "step": 11,
+      "train/loss": 1.1
+  }]]
 
 
 def test_wandb_without_the_extra_names_it(monkeypatch, tmp_path):

@@ -46,10 +46,13 @@ def get_config():
 def test_a_hung_step_dumps_every_stack_and_the_job_restarts(small_corpus, tmp_path):
   config = tmp_path / "hanging.py"
   config.write_text(HANGING_CONFIG.format(corpus=str(small_corpus), marker=str(tmp_path / "hung")))
-  launch = [sys.executable, "-m", "launch.cli", "processes", "-n", "1", "--max-restarts=1", "--",
-            sys.executable, "-m", "lm.train", f"--config={config}", f"--workdir={tmp_path / 'run'}"]
-  result = subprocess.run(launch, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": HERE})
+  launch = [
+      sys.executable, "-m", "launch.cli", "processes", "-n", "1", "--max-restarts=1", "--", sys.executable,
+      "-m", "lm.train", f"--config={config}", f"--workdir={tmp_path / 'run'}"
+  ]
+  result = subprocess.run(launch, capture_output=True, text=True, timeout=600, env={
+      **os.environ, "PYTHONPATH": HERE
+  })
   assert result.returncode == 0, result.stderr[-3000:]
   assert (tmp_path / "hung").exists()
   err = result.stderr

@@ -7,10 +7,10 @@ import json
 import sys
 
 import jax
+from small import small_config
 
 from lm.experiment import Experiment
 from lm.train import HostData
-from small import small_config
 
 
 def losses(config, devices, steps=6):
@@ -24,9 +24,11 @@ def losses(config, devices, steps=6):
 
 def main():
   results = {}
-  meshes = {"1 device": (dict(data=1, fsdp=1, tensor=1), 1),
-            "16 devices data=4 fsdp=2 tensor=2": (dict(data=4, fsdp=2, tensor=2), 16),
-            "8 devices fsdp=8": (dict(data=1, fsdp=8, tensor=1), 8)}
+  meshes = {
+      "1 device": (dict(data=1, fsdp=1, tensor=1), 1),
+      "16 devices data=4 fsdp=2 tensor=2": (dict(data=4, fsdp=2, tensor=2), 16),
+      "8 devices fsdp=8": (dict(data=1, fsdp=8, tensor=1), 8)
+  }
   for name, (mesh, n) in meshes.items():
     c = small_config(sys.argv[1])
     c.train.batch_size = 16
