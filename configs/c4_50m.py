@@ -1,4 +1,4 @@
-"""The paper's C4 run (PAPER.md section 6): ~52M parameters, 130B tokens, a 16-chip v5e slice.
+"""The paper's C4 run (docs/paper.md, section 6): ~52M parameters, 130B tokens, a 16-chip v5e slice.
 
 data.source picks how C4 is held (see README, 'Train on C4'):
   "c4"            TFDS's c4/en:3.1.0 in ArrayRecord format; data.dir is the TFDS data dir (local or

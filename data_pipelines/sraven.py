@@ -143,7 +143,7 @@ def sample_batch(
   task_ids = task_split(split_seed, frac_ood)["ood" if split == "ood" else "train"]
   task_b = rng.choice(task_ids, batch_size)
   # Rules go to features in a random order: sorted multisets would put the task's largest rule on
-  # the last feature every time (docs/paper.md's "known quirk").
+  # the last feature every time (docs/paper.md, section 4, last item).
   order_bf = _random_arrangements(rng, (batch_size,), NUM_FEATURES, NUM_FEATURES)
   rules_bf = _take_last(all_tasks()[task_b], order_bf)
   values_bfrc = _rows(rules_bf, rng)
