@@ -306,10 +306,11 @@ def test_prepare_refuses_a_directory_made_from_other_inputs(tmp_path):
 
 @pytest.mark.parametrize("name, content, message", [
     ("a.jsonl.gz", b'{"text": "plain"}\n', r"a.jsonl.gz: not a complete gzip file"),
-    ("b.jsonl.gz", gzip.compress(b'{"text": "cut"}\n' * 50)[:-30], r"b.jsonl.gz: not a complete gzip file"),
+    ("b.jsonl.gz", gzip.compress(b'{"text": "cut"}\n' * 50,
+                                 mtime=0)[:-30], r"b.jsonl.gz: not a complete gzip file"),
     ("c.jsonl", b'{"text": "fine"}\n{"text": "caf\xe9"}\n', r"c.jsonl, line 2: not UTF-8 text \(byte 0xe9"),
     ("d.txt", b"caf\xe9", r"d.txt: not UTF-8 text \(byte 0xe9 at 3\)"),
-])
+], ids=["not_gzip", "truncated_gzip", "jsonl_not_utf8", "txt_not_utf8"])
 def test_unreadable_inputs_name_the_file_and_line(tmp_path, name, content, message):
   (tmp_path / name).write_bytes(content)
   with pytest.raises(ValueError, match=message):
