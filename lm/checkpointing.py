@@ -26,6 +26,14 @@ from lm import model as model_lib
 MUTABLE_FIELDS = ("model.attention_impl", "model.remat", "model.dtype", "train.steps",
                   "train.log_every_steps", "train.on_nonfinite", "eval", "checkpoint", "mesh", "data.dir",
                   "data.tokenizer", "data.threads", "compilation_cache", "watchdog", "metrics")
+# Fields added to the config after checkpoints existed, each with the value that computes what runs
+# saved before it computed. A saved config without such a field reads as having that value, so those
+# runs still resume and evaluate; any other field missing from a saved config is a difference.
+ADDED_FIELDS = {
+    "model.relative_bidirectional": True,
+    "model.relative_bias_per_layer": False,
+    "train.schedule": "cosine",
+}
 
 
 class DataShards:
@@ -77,7 +85,8 @@ def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
 def differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
   """(field, saved value, current value) of every field outside MUTABLE_FIELDS that differs."""
   mutable = lambda key: any(key == m or key.startswith(m + ".") for m in MUTABLE_FIELDS)
-  old, new = _flat(saved), _flat(current)
+  new = _flat(current)
+  old = {**{k: v for k, v in ADDED_FIELDS.items() if k in new}, **_flat(saved)}
 
   def same(k):
     # Attention compares layer by layer: "hyla,softmax" over 4 layers is "hyla,softmax,hyla,softmax".
@@ -184,6 +193,10 @@ def saved_config(workdir: str, step: int | None = None) -> tuple[int, ml_collect
   config = ml_collections.ConfigDict(
       manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
   manager.close()
+  for field, value in ADDED_FIELDS.items():
+    section, name = field.rsplit(".", 1)
+    if section in config and name not in config[section]:
+      config[section][name] = value
   return step, config
 
 

@@ -12,8 +12,8 @@ SCHEDULES = ("cosine", "cosine_paper_code")
 
 
 def schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:
-  """cfg: the `train` section (runs saved before train.schedule existed used "cosine")."""
-  name = cfg.get("schedule", "cosine")
+  """cfg: the `train` section."""
+  name = cfg.schedule
   if name not in SCHEDULES:
     raise ValueError(f"unknown train.schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
   end = cfg.steps - (cfg.warmup_steps if name == "cosine_paper_code" else 0)

@@ -1,5 +1,6 @@
 """Checkpoint, resume, preemption and safety, with real processes killed mid-run."""
 
+import json
 import os
 import re
 import shutil
@@ -163,6 +164,51 @@ def test_resuming_with_a_different_model_names_the_fields(small_corpus, referenc
   assert "model.D: checkpoint has 32, config has 48" in message
   assert "model.attention: checkpoint has 'softmax', config has 'hyla'" in message
   assert "train.steps" not in message  # training longer is a legitimate change
+
+
+# The config's fields when checkpoints were introduced.
+FIELDS_OF_THE_FIRST_CHECKPOINTS = {
+    "checkpoint.every_steps", "checkpoint.keep", "checkpoint.keep_every", "checkpoint.use_async", "data.dir",
+    "data.packing_bins", "data.seq_len", "data.shards", "data.source", "data.threads", "data.tokenizer",
+    "eval.batch_size", "eval.every_steps", "mesh.data", "mesh.fsdp", "mesh.tensor", "model.D", "model.F",
+    "model.H", "model.L", "model.V", "model.attention", "model.attention_dropout", "model.attention_impl",
+    "model.causal", "model.dtype", "model.input_dim", "model.max_len", "model.positions", "model.qkv_dim",
+    "model.relative_buckets", "model.relative_max_distance", "model.remat", "model.rope_base",
+    "model.tied_embeddings", "seed", "task", "train.b1", "train.b2", "train.batch_size", "train.end_lr_frac",
+    "train.eps", "train.grad_clip", "train.log_every_steps", "train.lr", "train.microbatches",
+    "train.on_nonfinite", "train.steps", "train.warmup_steps", "train.weight_decay"
+}
+
+
+def _only_first_fields(config: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in config.items():
+    if isinstance(v, dict):
+      out[k] = _only_first_fields(v, f"{prefix}{k}.")
+    elif f"{prefix}{k}" in FIELDS_OF_THE_FIRST_CHECKPOINTS:
+      out[k] = v
+  return out
+
+
+def test_a_run_saved_before_later_fields_existed_still_resumes(small_corpus, reference, tmp_path):
+  """A run saved with only the fields the first checkpoints had resumes under today's defaults: a
+  field added since must come with the value that computes what older runs computed
+  (checkpointing.ADDED_FIELDS). If this fails after adding a config field, add it there."""
+  current = small_config(small_corpus).to_dict()
+  old = _only_first_fields(current)
+  assert "relative_bias_per_layer" not in old["model"] and "schedule" not in old["train"]
+  assert checkpointing.differences(old, current) == []
+  current["model"]["relative_bias_per_layer"] = True
+  assert checkpointing.differences(old, current) == [("model.relative_bias_per_layer", False, True)]
+
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  saved = workdir / "checkpoints" / "30" / "config" / "metadata"
+  saved.write_text(json.dumps(_only_first_fields(json.loads(saved.read_text()))))
+  step, config = checkpointing.saved_config(str(workdir))
+  assert step == 30 and config.train.schedule == "cosine" and config.model.relative_bias_per_layer is False
+  checkpointing.check_compatible(config.to_dict(), small_config(small_corpus).to_dict())
+  assert checkpointing.load(str(workdir))[1]["embed"].shape == (320, 32)
 
 
 def test_non_finite_loss_stops_without_saving(small_corpus, tmp_path):
