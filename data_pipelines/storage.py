@@ -7,8 +7,10 @@ reverse: a file is visible while it is being written, and a rename of a finished
 """
 
 import contextlib
+import errno
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -25,11 +27,13 @@ def is_remote(path: str | os.PathLike) -> bool:
 def written_whole(path: str | os.PathLike) -> Iterator[str]:
   """Yields a local file name to write; when the block finishes, `path` holds that file whole.
 
-  Locally the file is renamed into place; for an object store it is written in a local temporary
-  directory and uploaded in one piece. If the block raises, nothing appears at `path`.
+  Locally the file is renamed into place (its directory is created if missing); for an object store
+  it is written in a local temporary directory and uploaded in one piece. If the block raises,
+  nothing appears at `path`.
   """
   path = epath.Path(path)
   if not is_remote(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp"
     try:
       yield os.fspath(tmp)
@@ -53,3 +57,45 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     return
   with written_whole(path) as local:
     pathlib.Path(local).write_bytes(data)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+  """write_bytes for UTF-8 text: result files (JSON, markdown) appear whole or not at all."""
+  write_bytes(path, text.encode("utf-8"))
+
+
+# What the OS says when storage refuses a write, and what to do about it. orbax and TensorStore
+# report these inside a ValueError's text, so the text is matched as well as the errno.
+_REFUSALS = {
+    errno.ENOSPC: ("No space left on device", "free space on it"),
+    errno.EDQUOT: ("Disk quota exceeded", "free space or raise the quota"),
+    errno.EROFS: ("Read-only file system", "remount it read-write"),
+    errno.EACCES: ("Permission denied", "make it writable by this user"),
+}
+
+
+def write_refused(e: BaseException) -> str | None:
+  """When e, or an exception it came from, is storage refusing a write (full disk, quota,
+  read-only file system, permission): one line naming the cause, the file, the file system it is on
+  (with its free space) and the fix; else None."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    for code, (words, fix) in _REFUSALS.items():
+      if (isinstance(e, OSError) and e.errno == code) or words in str(e):
+        path = e.filename if isinstance(e, OSError) and e.filename else next(
+            iter(re.findall(r'"(/[^"]+)"', str(e))), None)
+        where = f": cannot write {path}{_file_system(path)}" if path else ""
+        return f"{words.lower()}{where}; {fix}"
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def _file_system(path: str | None) -> str:
+  """' (on the file system mounted at M, N MB free)' for a local path."""
+  if not path or is_remote(path):
+    return ""
+  mount = os.path.abspath(path)
+  while not os.path.exists(mount) or not os.path.ismount(mount):
+    mount = os.path.dirname(mount)
+  return f" (on the file system mounted at {mount}, {shutil.disk_usage(mount).free / 1e6:.1f} MB free)"

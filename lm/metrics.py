@@ -47,10 +47,15 @@ class Writer:
         self.events.flush()
 
   def close(self) -> None:
-    """Writes what is pending (again: a no-op); call it where the run ends."""
+    """Writes what is pending; call it where the run ends (again: a no-op). A write that fails
+    raises here once, not again at exit."""
     if self.enabled:
-      self.log.close()
-      self.events.close()
+      self.enabled = False
+      atexit.unregister(self.close)
+      try:
+        self.log.close()
+      finally:
+        self.events.close()
 
 
 class Progress:

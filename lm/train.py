@@ -4,20 +4,20 @@
 Resumes from the latest complete checkpoint in DIR; on SIGTERM finishes the step, saves, exits 0.
 """
 
+import logging
 import numbers
 import signal
-import sys
 import time
 
 import jax
 import ml_collections
 import numpy as np
-from absl import flags
+from absl import flags, logging as absl_logging
 from etils import epath
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-from data_pipelines import pipeline
+from data_pipelines import pipeline, storage
 from lm import checkpointing, cli, compilation_cache, flops, goodput, metrics, ownership, wandb_log, watchdog
 from lm.experiment import Experiment
 
@@ -144,7 +144,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   else:
     print(f"resumed from the checkpoint at step {latest} ({time.perf_counter() - start:.1f}s)", flush=True)
   if is_main:  # after the checks of _restore: a refused config never replaces the run's own
-    (workdir / "config.json").write_text(config.to_json(indent=1))
+    storage.write_text(workdir / "config.json", config.to_json(indent=1))
   first = int(jax.device_get(state.step))
   eval_sets = exp.eval_sets()
   writer = metrics.Writer(workdir, enabled=is_main)
@@ -220,9 +220,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         run_eval(step)
     if not stop:
       final = run_eval(steps, exp.eval_sets(final=True))
-  except BaseException:
-    _close_after_failure(ckpt, workdir)
-    writer.close()
+  except BaseException as e:
+    e.add_note(_close_after_failure(ckpt, writer, workdir))  # main() puts it in its one line
     raise
   finally:
     requests.restore()
@@ -246,18 +245,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return final
 
 
-def _close_after_failure(ckpt: checkpointing.Checkpointer, workdir: epath.Path) -> None:
-  """Finishes the save in flight (so the checkpoint named here exists) and says where a rerun of
-  the same command resumes."""
-  try:
-    ckpt.close()
-  except Exception as e:  # The save in flight failed too (a full disk): orbax left no step of it.
-    print(f"the checkpoint being saved failed: {e}", file=sys.stderr, flush=True)
+def _close_after_failure(ckpt: checkpointing.Checkpointer, writer: metrics.Writer,
+                         workdir: epath.Path) -> str:
+  """Finishes the save in flight (so the checkpoint named here exists) and the log; returns what was
+  saved and where a rerun of the same command resumes."""
+  failed = []
+  for what, close in (("the checkpoint being saved", ckpt.close), ("the run log's last records",
+                                                                   writer.close)):
+    try:
+      close()
+    except Exception as e:  # the storage that failed the run may fail these too (orbax keeps no part)
+      failed.append(f"{what} could not be written ({storage.write_refused(e) or str(e).splitlines()[0]})")
   latest = checkpointing.latest_step(workdir)
-  print(
-      "no checkpoint was saved"
-      if latest is None else f"the latest checkpoint is at step {latest}; the same command resumes from it",
-      file=sys.stderr, flush=True)
+  return "; ".join(failed + [
+      "no checkpoint was saved" if latest is
+      None else f"the latest checkpoint is at step {latest}; the same command resumes from it"
+  ])
+
+
+def _silence_refused_writes(record: logging.LogRecord) -> bool:
+  """orbax (and asyncio under it) logs a failed asynchronous save from each of its threads, with
+  tracebacks: hundreds of lines that bury the cause, which main() reports in one line."""
+  return not (record.exc_info and storage.write_refused(record.exc_info[1]))
 
 
 def main(argv):
@@ -268,11 +277,15 @@ def main(argv):
     jax.distributed.initialize()
   elif FLAGS.coordinator_address:
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  absl_logging.get_absl_handler().addFilter(_silence_refused_writes)
   try:
     with ownership.hold(FLAGS.workdir, FLAGS.lease_seconds):
       train_and_evaluate(FLAGS.config, FLAGS.workdir)
-  except (ValueError, OSError, FloatingPointError, ownership.WorkdirError) as e:
-    raise SystemExit(f"lm-train: {e}") from e
+  except Exception as e:  # pylint: disable=broad-except
+    refused = storage.write_refused(e)  # a full disk: orbax raises it as whatever it caught
+    if not refused and not isinstance(e, (ValueError, OSError, FloatingPointError, ownership.WorkdirError)):
+      raise
+    raise SystemExit("; ".join([f"lm-train: {refused or e}", *getattr(e, "__notes__", [])])) from e
 
 
 def run():

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import filesystems
 import jax
 import numpy as np
 import pytest
@@ -247,7 +248,7 @@ def test_a_relative_workdir_checkpoints_and_loads(small_corpus, tmp_path, monkey
   assert checkpointing.saved_config("runs/relative")[0] == 4
 
 
-def test_a_non_finite_stop_finishes_the_save_in_flight(small_corpus, tmp_path, capsys):
+def test_a_non_finite_stop_finishes_the_save_in_flight(small_corpus, tmp_path):
   """The stop comes while the asynchronous save of the step before is being written."""
   c = small_config(small_corpus)
   c.train.update(lr=1e9, warmup_steps=1, steps=10, log_every_steps=1)
@@ -255,7 +256,7 @@ def test_a_non_finite_stop_finishes_the_save_in_flight(small_corpus, tmp_path, c
   with pytest.raises(FloatingPointError, match=r"non-finite loss .* at step (\d+)") as e:
     train.train_and_evaluate(c, str(tmp_path))
   failed = int(re.search(r"at step (\d+)", str(e.value))[1])
-  named = int(re.search(r"the latest checkpoint is at step (\d+)", capsys.readouterr().err)[1])
+  named = int(re.search(r"the latest checkpoint is at step (\d+)", " ".join(e.value.__notes__))[1])
   ckpts = tmp_path / "checkpoints"
   assert named == failed - 1 >= 1
   assert not [p.name for p in ckpts.iterdir() if "tmp" in p.name], "a save was abandoned"
@@ -335,3 +336,44 @@ def test_reading_a_misspelt_workdir_creates_nothing(tmp_path):
     checkpointing.saved_config(str(tmp_path / "typo"))
   assert checkpointing.latest_step(tmp_path / "typo") is None
   assert not (tmp_path / "typo").exists()
+
+
+# Where mounting a small file system is not permitted, the run log's writes fail from step 10 on.
+FULL_DISK_WITHOUT_A_MOUNT = """
+import errno, os
+from data_pipelines import storage
+
+def _full(path, data, write=storage.write_bytes):
+  if b'"step": 10,' in data:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+  write(path, data)
+
+storage.write_bytes = _full
+"""
+
+
+def test_a_full_disk_is_one_line_naming_the_saved_step(small_corpus, tmp_path):
+  """A file system with room for the first checkpoint but not the second: one line names the cause,
+  the file system, the latest checkpoint (which exists) and the fix."""
+  with filesystems.small(tmp_path / "disk", "850k") as mounted:
+    workdir = tmp_path / "disk" / "run"
+    config = tmp_path / "run_config.py"
+    config.write_text(
+        CONFIG_FILE.format(corpus=str(small_corpus), steps=30, every=5).replace(
+            "  return c", "  c.compilation_cache = 'none'\n  return c") +
+        ("" if mounted else FULL_DISK_WITHOUT_A_MOUNT))
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    result = subprocess.run([sys.executable, "-m", "lm.train", f"--config={config}", f"--workdir={workdir}"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    # Without a mount the run log's retries warn too (that write keeps failing); the message is one line.
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not mounted or result.stderr.count("\n") == 1, result.stderr[-3000:]
+    match = re.fullmatch(
+        r"lm-train: no space left on device: cannot write (\S+) \(on the file system mounted at "
+        r"(\S+), [\d.]+ MB free\); free space on it; (?:.*; )?the latest checkpoint is at step (\d+); "
+        r"the same command resumes from it",
+        result.stderr.splitlines()[-1])
+    assert match, result.stderr
+    assert match[1].startswith(str(workdir)) and (not mounted or match[2] == str(tmp_path / "disk"))
+    assert int(match[3]) >= 5 and checkpointing.latest_step(workdir) == int(match[3])
+    assert_finite(checkpointing.load(str(workdir), int(match[3]))[1])
