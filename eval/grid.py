@@ -25,6 +25,7 @@ from absl import flags
 from etils import epath
 from ml_collections import config_flags
 
+from data_pipelines import storage
 from eval import compare, grid_summary
 from lm import attention, checkpointing, cli, metrics
 
@@ -219,7 +220,8 @@ def write_manifest(root: epath.Path, config_file: str, overrides: list[str], axe
                    base: ml_collections.ConfigDict) -> None:
   root.mkdir(parents=True, exist_ok=True)
   if not (root / "grid.json").exists():
-    (root / "grid.json").write_text(
+    storage.write_text(
+        root / "grid.json",
         json.dumps(
             {
                 "config_file": config_file,
@@ -274,7 +276,7 @@ def run_point(p: dict, workdir: epath.Path, config_file: str, latent_args: list[
   result = {k: p[k] for k in ("name", "preset", "seed", "values")}
   result.update(task=config.task, step=config.train.steps, train_seconds=compare.wall_seconds(str(workdir)),
                 results=point_results(workdir, config))
-  (workdir / "point.json").write_text(json.dumps(result, indent=1) + "\n")
+  storage.write_text(workdir / "point.json", json.dumps(result, indent=1) + "\n")
 
 
 def done(workdir: epath.Path, steps: int) -> dict | None:

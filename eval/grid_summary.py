@@ -10,6 +10,7 @@ import json
 import matplotlib
 from etils import epath
 
+from data_pipelines import storage
 from eval import compare
 from lm import attention, stats
 
@@ -196,8 +197,9 @@ def write(root: epath.Path, config_file: str, axes: list[str]) -> str:
     compare.compare([str(root / n) for r in chosen.values() for n in r["points"]], str(root / "curves.png"))
     plots += ["curves.png"] + (["curves_positions.png"] if (root / "curves_positions.png").exists() else [])
   text = markdown(task, config_file, axes, rows, chosen, pairs, plots)
-  (root / "summary.md").write_text(text)
-  (root / "summary.json").write_text(
+  storage.write_text(root / "summary.md", text)
+  storage.write_text(
+      root / "summary.json",
       json.dumps(
           {
               "task": task,

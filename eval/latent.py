@@ -33,7 +33,7 @@ from sklearn.metrics import r2_score
 from sklearn.multiclass import OneVsRestClassifier
 from sklearn.preprocessing import MultiLabelBinarizer
 
-from data_pipelines import fuzzy_logic, sraven
+from data_pipelines import fuzzy_logic, sraven, storage
 from eval import compare
 from lm import checkpointing, cli, model as model_lib
 from lm.tasks_compositional import EVAL_STEP0, split_seed
@@ -177,7 +177,7 @@ def analyse(workdir: str, step: int | None = None, examples: int = 2048,
   ax.set(title=f"{config.task}, {config.model.attention}: final-layer OOD codes (PCA)", xlabel="PC 1",
          ylabel="PC 2")
   compare.save_figure(fig, epath.Path(workdir) / "latent_embedding.png")
-  (epath.Path(workdir) / "latent.json").write_text(json.dumps(result, indent=1))
+  storage.write_text(epath.Path(workdir) / "latent.json", json.dumps(result, indent=1))
   return result
 
 

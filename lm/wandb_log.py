@@ -12,6 +12,8 @@ from typing import Any
 import ml_collections
 from etils import epath
 
+from data_pipelines import storage
+
 
 class Tee:
   """Writes each record to `writer` (the run log) and logs its numbers to W&B as `kind/name`."""
@@ -27,7 +29,7 @@ class Tee:
     self.run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity or None, id=run_id,
                           resume="allow", name=workdir.name, config=config, mode=cfg.wandb_mode,
                           dir=cfg.wandb_dir or None)
-    id_file.write_text(run_id)
+    storage.write_text(id_file, run_id)
     self.run.define_metric("*", step_metric="step")
     self.writer = writer
 
