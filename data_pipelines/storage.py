@@ -82,9 +82,9 @@ def write_refused(e: BaseException) -> str | None:
   while e is not None and id(e) not in seen:
     seen.add(id(e))
     for code, (words, fix) in _REFUSALS.items():
-      if (isinstance(e, OSError) and e.errno == code) or words in str(e):
-        path = e.filename if isinstance(e, OSError) and e.filename else next(
-            iter(re.findall(r'"(/[^"]+)"', str(e))), None)
+      quoted = re.findall(r'"(/[^"]+)"', str(e))  # TensorStore quotes the file it failed to write
+      if (isinstance(e, OSError) and e.errno == code) or (words in str(e) and quoted):
+        path = e.filename if isinstance(e, OSError) else quoted[0]
         where = f": cannot write {path}{_file_system(path)}" if path else ""
         return f"{words.lower()}{where}; {fix}"
     e = e.__cause__ or e.__context__

@@ -282,7 +282,8 @@ def main(argv):
     with ownership.hold(FLAGS.workdir, FLAGS.lease_seconds):
       train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except Exception as e:  # pylint: disable=broad-except
-    refused = storage.write_refused(e)  # a full disk: orbax raises it as whatever it caught
+    # A full disk: orbax raises it as whatever it caught. A workdir refused at the start is named already.
+    refused = None if isinstance(e, ownership.WorkdirError) else storage.write_refused(e)
     if not refused and not isinstance(e, (ValueError, OSError, FloatingPointError, ownership.WorkdirError)):
       raise
     raise SystemExit("; ".join([f"lm-train: {refused or e}", *getattr(e, "__notes__", [])])) from e

@@ -2,15 +2,19 @@
 resumed, multi-seed and unevaluated runs."""
 
 import json
+import os
+import re
 import subprocess
 import sys
+import threading
 
+import filesystems
 import numpy as np
 import pytest
 from small import small_config
 
 from configs import tiny
-from data_pipelines import pipeline, sources
+from data_pipelines import pipeline, sources, storage
 from eval import compare, evaluate
 from lm import checkpointing, flops, metrics, model as model_lib, run_log, train
 from lm.experiment import Experiment
@@ -224,3 +228,58 @@ def test_compare_names_a_run_without_evaluation(tmp_path):
           f"eval (eval.every_steps) or run `lm-eval --workdir={tmp_path / 'fresh'}`") in result.stderr
   assert f"{tmp_path / 'missing'} has no training log (metrics/*.jsonl)" in result.stderr
   assert not (tmp_path / "x.png").exists()
+
+
+def test_a_read_only_workdir_is_one_line_and_eval_prints_its_metrics_first(small_corpus, trained, tmp_path):
+  """lm-eval computes the metrics, prints them, then fails to write them: the line names the file
+  and why. lm-train on the same workdir stops before anything is computed."""
+  with filesystems.read_only(tmp_path / "ro", trained) as workdir:
+    result = subprocess.run([sys.executable, "-m", "eval.evaluate", f"--workdir={workdir}"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["loss"] == pytest.approx(
+        evaluate.evaluate(str(trained))["loss"], rel=1e-5)
+    assert re.fullmatch(
+        rf"lm-eval: the metrics are printed above but were not saved: (read-only file system|permission "
+        rf"denied): cannot write {workdir}/eval\S* .*; (remount it read-write|make it writable by this user)\n",
+        result.stderr), result.stderr
+    config = tmp_path / "config.py"
+    config.write_text(f"from small import small_config\n\ndef get_config():\n"
+                      f"  return small_config({str(small_corpus)!r})\n")
+    result = subprocess.run([sys.executable, "-m", "lm.train", f"--config={config}", f"--workdir={workdir}"],
+                            capture_output=True, text=True, timeout=300, env={
+                                **os.environ, "PYTHONPATH": os.path.dirname(__file__)
+                            })
+    assert result.returncode == 1
+    assert re.fullmatch(
+        rf"lm-train: cannot use {workdir} as a workdir \((Read-only file system|Permission "
+        rf"denied)\); --workdir must name a directory this user can write, or one that "
+        rf"can be created\n", result.stderr), result.stderr
+
+
+def test_a_reader_never_sees_a_partial_result_file(tmp_path):
+  """A reader during a rewrite of an evaluation's result sees the old file or the new one, whole."""
+  path = evaluate.result_path(str(tmp_path), 6)
+  old, new = "old\n" * 1000, "new\n" * 4_000_000
+  storage.write_text(path, old)
+  seen, done = set(), threading.Event()
+
+  def read():
+    while not done.is_set():
+      seen.add(len(path.read_text()))
+
+  reader = threading.Thread(target=read)
+  reader.start()
+  for _ in range(3):
+    storage.write_text(path, new)
+    storage.write_text(path, old)
+  done.set()
+  reader.join()
+  assert seen <= {len(old), len(new)} and len(seen) == 2, "a reader saw a partial file"
+
+
+def test_compare_writes_into_a_directory_that_does_not_exist(tmp_path):
+  write_run(tmp_path / "a", "softmax", {10: 40.0})
+  out = tmp_path / "new" / "plots" / "cmp.png"
+  compare.compare([str(tmp_path / "a")], str(out), str(tmp_path / "tables" / "t.md"))
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "tables" / "t.md").exists()
