@@ -85,7 +85,10 @@ def shard_paths(data_dir: str | os.PathLike, split: str) -> list[str]:
 def open_split(data_dir: str | os.PathLike, split: str) -> Documents:
   """A prepared directory's split, text or pre-tokenized."""
   paths = shard_paths(data_dir, split)
-  source = grain.sources.ArrayRecordDataSource(paths)
+  try:
+    source = grain.sources.ArrayRecordDataSource(paths)
+  except Exception as e:  # array_record names no file, and often gives no reason
+    raise ValueError(_damaged(paths) or f"cannot open the '{split}' shards in {data_dir}: {e}") from e
   if not (epath.Path(data_dir) / TOKENIZED_BY).exists():
     return Documents(source, TEXT)
   # Token ids no longer hold the text, so its size comes from what lm-prepare counted.
@@ -95,6 +98,21 @@ def open_split(data_dir: str | os.PathLike, split: str) -> Documents:
     raise FileNotFoundError(f"{missing[0]} is missing: the pre-tokenized '{split}' split in "
                             f"{data_dir} is incomplete; run the same `lm-prepare` command again")
   return Documents(source, TOKENS, sum(json.loads(s.read_text())["bytes"] for s in stats))
+
+
+def _damaged(paths: list[str]) -> str | None:
+  """Names the first shard that does not open as an ArrayRecord file, with the fix."""
+  for path in paths:
+    try:
+      reader = array_record_module.ArrayRecordReader(path)
+      reader.num_records()
+      reader.close()  # a truncated file (its index is at the end) fails here, without a reason
+    except Exception as e:  # pylint: disable=broad-except
+      reason = str(e).splitlines()[0] if str(e) else "truncated"
+      return (f"{path} is not a readable ArrayRecord shard ({reason}); delete it and its stats file "
+              f"{stats_path(epath.Path(path))} and run the same `lm-prepare` command again: it "
+              f"redoes only the missing shards")
+  return None
 
 
 def decode(record: bytes) -> dict[str, Any]:

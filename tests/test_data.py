@@ -1,6 +1,7 @@
 """Data pipelines: exact coverage, segments, sharding, determinism, resume, clear errors."""
 
 import collections
+import shutil
 
 import ml_collections
 import numpy as np
@@ -156,3 +157,19 @@ def test_a_tokenizer_file_that_is_not_a_sentencepiece_model_is_named(tmp_path):
       ValueError, match=r"tokenizer .*vocab.txt is not a SentencePiece model; set "
       r"data.tokenizer to a SentencePiece .model file"):
     tokenizer.Tokenizer(tmp_path / "vocab.txt")
+
+
+@pytest.mark.parametrize("split, damage, reason", [("validation", "truncate", "truncated"),
+                                                   ("train", "garbage", "ArrayRecord file should be")])
+def test_a_damaged_shard_is_named_with_the_fix(small_corpus, tmp_path, split, damage, reason):
+  """A shard cut short (a copy that did not finish) or that is not an ArrayRecord file at all."""
+  data = tmp_path / "data"
+  shutil.copytree(small_corpus, data)
+  shard = data / records.shard_name(split, 1, 2 if split == "validation" else 3)
+  content = shard.read_bytes()
+  shard.write_bytes(content[:len(content) // 2] if damage == "truncate" else b"not a shard" * 1000)
+  with pytest.raises(ValueError) as e:
+    records.open_split(data, split)
+  assert str(e.value).startswith(f"{shard} is not a readable ArrayRecord shard ({reason}")
+  assert str(e.value).endswith(f"delete it and its stats file {data}/stats/{shard.name}.json and run the "
+                               f"same `lm-prepare` command again: it redoes only the missing shards")
