@@ -86,7 +86,7 @@ def open_split(data_dir: str | os.PathLike, split: str) -> Documents:
   """A prepared directory's split, text or pre-tokenized."""
   paths = shard_paths(data_dir, split)
   try:
-    source = grain.sources.ArrayRecordDataSource(paths)
+    source = Shards(paths)
   except Exception as e:  # array_record names no file, and often gives no reason
     raise ValueError(_damaged(paths) or f"cannot open the '{split}' shards in {data_dir}: {e}") from e
   if not (epath.Path(data_dir) / TOKENIZED_BY).exists():
@@ -100,6 +100,24 @@ def open_split(data_dir: str | os.PathLike, split: str) -> Documents:
   return Documents(source, TOKENS, sum(json.loads(s.read_text())["bytes"] for s in stats))
 
 
+class Shards(grain.sources.ArrayRecordDataSource):
+  """grain's ArrayRecord source, whose read errors (a shard damaged after its index) name the shard
+  and the fix; array_record's own name no file. They reach the training loop from grain's threads."""
+
+  def __getitem__(self, key):
+    try:
+      return super().__getitem__(key)
+    except RuntimeError as e:
+      path = self.paths[self._reader_idx_and_position(key)[0]]  # pylint: disable=protected-access
+      raise ValueError(_unreadable(path, str(e).splitlines()[0])) from e
+
+  def __getitems__(self, keys):
+    try:
+      return super().__getitems__(keys)
+    except RuntimeError:
+      return [self[k] for k in keys]  # one at a time, to find the shard; raises naming it
+
+
 def _damaged(paths: list[str]) -> str | None:
   """Names the first shard that does not open as an ArrayRecord file, with the fix."""
   for path in paths:
@@ -108,11 +126,14 @@ def _damaged(paths: list[str]) -> str | None:
       reader.num_records()
       reader.close()  # a truncated file (its index is at the end) fails here, without a reason
     except Exception as e:  # pylint: disable=broad-except
-      reason = str(e).splitlines()[0] if str(e) else "truncated"
-      return (f"{path} is not a readable ArrayRecord shard ({reason}); delete it and its stats file "
-              f"{stats_path(epath.Path(path))} and run the same `lm-prepare` command again: it "
-              f"redoes only the missing shards")
+      return _unreadable(path, str(e).splitlines()[0] if str(e) else "truncated")
   return None
+
+
+def _unreadable(path: str, reason: str) -> str:
+  return (f"{path} is not a readable ArrayRecord shard ({reason}); delete it and its stats file "
+          f"{stats_path(epath.Path(path))} and run the same `lm-prepare` command again: it redoes "
+          f"only the missing shards")
 
 
 def decode(record: bytes) -> dict[str, Any]:

@@ -286,7 +286,8 @@ def main(argv):
     refused = None if isinstance(e, ownership.WorkdirError) else storage.write_refused(e)
     if not refused and not isinstance(e, (ValueError, OSError, FloatingPointError, ownership.WorkdirError)):
       raise
-    raise SystemExit("; ".join([f"lm-train: {refused or e}", *getattr(e, "__notes__", [])])) from e
+    # The last note is what _close_after_failure saw saved (grain adds notes of its own before it).
+    raise SystemExit("; ".join([f"lm-train: {refused or e}", *getattr(e, "__notes__", [])[-1:]])) from e
 
 
 def run():

@@ -173,3 +173,16 @@ def test_a_damaged_shard_is_named_with_the_fix(small_corpus, tmp_path, split, da
   assert str(e.value).startswith(f"{shard} is not a readable ArrayRecord shard ({reason}")
   assert str(e.value).endswith(f"delete it and its stats file {data}/stats/{shard.name}.json and run the "
                                f"same `lm-prepare` command again: it redoes only the missing shards")
+
+
+def test_a_shard_damaged_mid_file_is_named_when_read(small_corpus, tmp_path):
+  """Its index is intact, so it opens; a record read in grain's threads fails, naming the shard."""
+  data = tmp_path / "data"
+  shutil.copytree(small_corpus, data)
+  shard = data / records.shard_name("validation", 1, 2)
+  content = bytearray(shard.read_bytes())
+  content[3000:3400] = b"\x55" * 400  # inside the records, far from the index at the end
+  shard.write_bytes(bytes(content))
+  docs = records.open_split(data, "validation")
+  with pytest.raises(ValueError, match=rf"^{shard} is not a readable ArrayRecord shard \(Corrupted Riegeli"):
+    list(pipeline.eval_dataset(docs, _tok(data), seq_len=32, batch_size=8, threads=2))
