@@ -8,8 +8,7 @@ and time down between processes, and its goodput: the share spent on training st
 
 from absl import app
 
-from eval import compare
-from lm import cli, goodput, metrics
+from lm import cli, goodput, metrics, run_log
 
 COLUMNS = ("run", "wall-clock", *goodput.RUN_CATEGORIES, "restarts", "goodput")
 
@@ -18,7 +17,7 @@ def table(workdirs: list[str]) -> str:
   """Markdown: each category's time and share of the wall-clock time."""
   rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   for workdir in workdirs:
-    s = goodput.summarize(compare._records(workdir))  # pylint: disable=protected-access
+    s = goodput.summarize(run_log.read(workdir))
     if not s["wall"]:
       raise ValueError(f"{workdir} has no goodput records yet (lm-train writes them with each "
                        "progress line)")

@@ -47,19 +47,21 @@ def _parser() -> argparse.ArgumentParser:
       "start all again, up to this many times; a trainer resumes from its "
       "latest checkpoint (default: %(default)s)")
 
-  slice_flags = argparse.ArgumentParser(add_help=False)
+  # The slice's type and software: the same flags for a gcloud slice and a managed job.
+  tpu_type = argparse.ArgumentParser(add_help=False)
   defaults = tpu.Slice()
+  tpu_type.add_argument("--accelerator-type", default=defaults.accelerator_type,
+                        type=tpu.gcp_value("accelerator-type"),
+                        help="TPU type (default: %(default)s, 4 workers x 4 chips)")
+  tpu_type.add_argument("--runtime-version", default=defaults.runtime_version,
+                        type=tpu.gcp_value("runtime-version"),
+                        help="TPU software version (default: %(default)s, the documented v5e one)")
+  slice_flags = argparse.ArgumentParser(add_help=False, parents=[tpu_type])
   slice_flags.add_argument("--name", default=defaults.name, type=tpu.gcp_value("name"),
                            help="TPU VM (and queued resource) name")
   slice_flags.add_argument("--project", type=tpu.gcp_value("project"),
                            help="GCP project (default: gcloud's core/project)")
   slice_flags.add_argument("--zone", type=tpu.gcp_value("zone"), help="zone (default: gcloud's compute/zone)")
-  slice_flags.add_argument("--accelerator-type", default=defaults.accelerator_type,
-                           type=tpu.gcp_value("accelerator-type"),
-                           help="default: %(default)s, 4 workers x 4 chips")
-  slice_flags.add_argument("--runtime-version", default=defaults.runtime_version,
-                           type=tpu.gcp_value("runtime-version"),
-                           help="TPU software version (default: %(default)s, the documented v5e one)")
   slice_flags.add_argument("--spot", action="store_true", help="Spot VMs: cheaper, preemptible")
   slice_flags.add_argument("--queued", action="store_true",
                            help="request through a queued resource that waits for capacity")
@@ -76,18 +78,12 @@ def _parser() -> argparse.ArgumentParser:
 
   job = managed.Job()
   sky_parser = modes.add_parser(
-      "sky", help="a SkyPilot managed job: the slice recovers by itself from preemptions",
+      "sky", parents=[tpu_type], help="a SkyPilot managed job: the slice recovers by itself from preemptions",
       description=managed.__doc__.splitlines()[0] + " Needs the extra: pip install -e \".[sky]\".",
       epilog="e.g. lm-launch sky --spot -- lm-train --config=configs/c4_50m.py "
       "--workdir=gs://BUCKET/runs/c4_50m")
   sky_parser.add_argument("--name", default=job.name, type=tpu.gcp_value("name"),
                           help="managed job name (default: %(default)s)")
-  sky_parser.add_argument("--accelerator-type", default=job.accelerator_type,
-                          type=tpu.gcp_value("accelerator-type"),
-                          help="TPU type (default: %(default)s, 4 workers x 4 chips)")
-  sky_parser.add_argument("--runtime-version", default=job.runtime_version,
-                          type=tpu.gcp_value("runtime-version"),
-                          help="TPU software version (default: %(default)s)")
   sky_parser.add_argument(
       "--infra", default=job.infra, help="where the slice may run: gcp, gcp/REGION or gcp/REGION/ZONE "
       "(default: %(default)s, any region: the widest recovery)")
