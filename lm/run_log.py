@@ -79,11 +79,17 @@ class RollingFile:
     self.flush()
 
   def _flush_every(self, seconds: float) -> None:
+    failing = False
     while not self.closed.wait(seconds):
       try:
         self.flush()
+        if failing:
+          logging.warning("writing %s works again", self.part_name(self.part))
+        failing = False
       except Exception as e:  # a storage hiccup must not end training; the next flush retries
-        logging.warning("writing the run log failed (retrying in %.0fs): %s", seconds, e)
+        if not failing:  # once per outage: a full disk would otherwise warn every few seconds
+          logging.warning("writing the run log failed (retrying every %.0fs): %s", seconds, e)
+        failing = True
 
 
 class JsonLog(RollingFile):

@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -70,3 +71,21 @@ def test_written_whole_leaves_nothing_when_the_writer_fails(tmp_path):
   assert os.listdir(tmp_path) == []
   storage.write_bytes(target, b"whole")
   assert target.read_bytes() == b"whole" and os.listdir(tmp_path) == ["shard"]
+
+
+def test_a_log_that_cannot_be_written_warns_once_per_outage(tmp_path, caplog):
+  """A full disk fails every flush; one warning says so, and one more when writing works again."""
+  (tmp_path / "metrics").write_text("a file where the log's directory should be")
+  log = run_log.RollingFile(lambda i: tmp_path / "metrics" / f"{i}.jsonl", flush_seconds=0.01)
+  log.add(b"{}\n")
+  time.sleep(0.3)
+  (tmp_path / "metrics").unlink()
+  deadline = time.time() + 30
+  while not (tmp_path / "metrics" / "0.jsonl").exists() and time.time() < deadline:
+    time.sleep(0.01)
+  log.close()
+  warnings = [
+      r.getMessage() for r in caplog.records if "run log" in r.getMessage() or "again" in r.getMessage()
+  ]
+  assert len(warnings) == 2 and "failed" in warnings[0] and warnings[1].endswith("works again"), warnings
+  assert (tmp_path / "metrics" / "0.jsonl").read_text() == "{}\n"
