@@ -11,6 +11,7 @@ crash interrupted is never picked up, and it never overwrites a saved step.
 
 import dataclasses
 import json
+import shutil
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from data_pipelines import storage
 from lm import model as model_lib
 
 # Fields that may differ between the saved run and the resuming one: they change how the math is
@@ -165,6 +167,14 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+  def discard_unfinished(self) -> None:
+    """Deletes what failed saves left (orbax's temporary step directories on a local disk), which
+    orbax would delete only at the next start: on a full disk that space is the user's to free.
+    Single-process jobs only: another process could still be writing its part."""
+    if jax.process_count() == 1 and not storage.is_remote(self.directory):
+      for tmp in self.directory.glob("*.orbax-checkpoint-tmp*"):
+        shutil.rmtree(tmp)
 
 
 def load(

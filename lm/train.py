@@ -247,8 +247,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 def _close_after_failure(ckpt: checkpointing.Checkpointer, writer: metrics.Writer,
                          workdir: epath.Path) -> str:
-  """Finishes the save in flight (so the checkpoint named here exists) and the log; returns what was
-  saved and where a rerun of the same command resumes."""
+  """Finishes the save in flight (so the checkpoint named here exists) or discards what it left, and
+  the log; returns what was saved and where a rerun of the same command resumes."""
   failed = []
   for what, close in (("the checkpoint being saved", ckpt.close), ("the run log's last records",
                                                                    writer.close)):
@@ -256,6 +256,7 @@ def _close_after_failure(ckpt: checkpointing.Checkpointer, writer: metrics.Write
       close()
     except Exception as e:  # the storage that failed the run may fail these too (orbax keeps no part)
       failed.append(f"{what} could not be written ({storage.write_refused(e) or str(e).splitlines()[0]})")
+  ckpt.discard_unfinished()
   latest = checkpointing.latest_step(workdir)
   return "; ".join(failed + [
       "no checkpoint was saved" if latest is

@@ -376,4 +376,6 @@ def test_a_full_disk_is_one_line_naming_the_saved_step(small_corpus, tmp_path):
     assert match, result.stderr
     assert match[1].startswith(str(workdir)) and (not mounted or match[2] == str(tmp_path / "disk"))
     assert int(match[3]) >= 5 and checkpointing.latest_step(workdir) == int(match[3])
+    assert not [p.name for p in (workdir / "checkpoints").iterdir() if "tmp" in p.name
+               ], "a failed save was left"
     assert_finite(checkpointing.load(str(workdir), int(match[3]))[1])
