@@ -81,8 +81,8 @@ def write_refused(e: BaseException) -> str | None:
   seen = set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
+    quoted = re.findall(r'"(/[^"]+)"', str(e))  # TensorStore quotes the file it failed to write
     for code, (words, fix) in _REFUSALS.items():
-      quoted = re.findall(r'"(/[^"]+)"', str(e))  # TensorStore quotes the file it failed to write
       if (isinstance(e, OSError) and e.errno == code) or (words in str(e) and quoted):
         path = e.filename if isinstance(e, OSError) else quoted[0]
         where = f": cannot write {path}{_file_system(path)}" if path else ""

@@ -42,6 +42,12 @@ def evaluate(workdir: str, step: int | None = None, split: str = "validation") -
   }
 
 
+def write(workdir: str, result: dict) -> None:
+  """Writes `evaluate`'s result whole to result_path (process 0 only)."""
+  if jax.process_index() == 0:
+    storage.write_text(result_path(workdir, result["step"]), json.dumps(result, indent=1) + "\n")
+
+
 def main(argv):
   del argv
   workdir = flags.FLAGS.workdir
@@ -50,12 +56,11 @@ def main(argv):
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"lm-eval: {e}") from e
   print(json.dumps(result, indent=1), flush=True)  # first: a failed write below loses nothing
-  if jax.process_index() == 0:
-    try:
-      storage.write_text(result_path(workdir, result["step"]), json.dumps(result, indent=1) + "\n")
-    except OSError as e:
-      raise SystemExit(f"lm-eval: the metrics are printed above but were not saved: "
-                       f"{storage.write_refused(e) or e}") from e
+  try:
+    write(workdir, result)
+  except OSError as e:
+    raise SystemExit(f"lm-eval: the metrics are printed above but were not saved: "
+                     f"{storage.write_refused(e) or e}") from e
 
 
 def run():

@@ -250,8 +250,8 @@ def _close_after_failure(ckpt: checkpointing.Checkpointer, writer: metrics.Write
   """Finishes the save in flight (so the checkpoint named here exists) or discards what it left, and
   the log; returns what was saved and where a rerun of the same command resumes."""
   failed = []
-  for what, close in (("the checkpoint being saved", ckpt.close), ("the run log's last records",
-                                                                   writer.close)):
+  closes = {"the checkpoint being saved": ckpt.close, "the run log's last records": writer.close}
+  for what, close in closes.items():
     try:
       close()
     except Exception as e:  # the storage that failed the run may fail these too (orbax keeps no part)

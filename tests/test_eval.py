@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import filesystems
 import numpy as np
@@ -73,6 +74,7 @@ def test_eval_matches_a_hand_computed_token_weighted_loss(trained):
       [np.std(by_bucket[k], ddof=1) / np.sqrt(len(by_bucket[k])) for k in range(6)], rel=1e-4)
   assert result["loss_stderr"] == pytest.approx(
       np.std(np.concatenate(list(by_bucket.values())), ddof=1) / np.sqrt(count), rel=1e-4)
+  evaluate.write(str(trained), result)
   assert json.loads((trained / "eval" / "step_6.json").read_text()) == result
   # The trainer's own final evaluation of the same checkpoint agrees.
   logged = run_log.read(trained)
@@ -270,8 +272,10 @@ def test_a_reader_never_sees_a_partial_result_file(tmp_path):
 
   reader = threading.Thread(target=read)
   reader.start()
-  for _ in range(3):
+  deadline = time.time() + 30
+  while len(seen) < 2 and time.time() < deadline:  # until the reader has caught the new file
     storage.write_text(path, new)
+    time.sleep(0.01)
     storage.write_text(path, old)
   done.set()
   reader.join()
