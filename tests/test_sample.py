@@ -14,7 +14,7 @@ from small import small_config
 from eval import sample as eval_sample
 from lm import attention, decode, model as model_lib, train
 
-V, T, PROMPT = 64, 12, 5
+V, T, PROMPT = 64, 12, 5  # vocabulary, context, prompt tokens
 
 
 def tiny(attention_field, **kw):
@@ -44,19 +44,20 @@ def incremental(cfg, params, tokens_bt, prompt_len):
   return np.asarray(jnp.concatenate(steps, axis=1)), caches
 
 
-# Every preset as one layer of a single model (one compilation instead of one per preset): a layer
-# whose decoding state is not exact changes the logits after it.
+# Every preset as one layer of a single model (fewer compilations than one model per preset): a layer
+# whose decoding state is not exact changes the logits after it. It decodes token by token from the
+# first; the smaller models take a prompt of several tokens in one call, through both kinds of state.
 EVERY_PRESET = ",".join(attention.PRESETS)
 
 
-@pytest.mark.parametrize("attention_field,positions", [(EVERY_PRESET, "rotary"),
-                                                       ("softmax,linear,hyla", "relative_bias"),
-                                                       ("linear,hyla", "learned")])
-def test_decoding_gives_the_full_forward_logits(attention_field, positions):
+@pytest.mark.parametrize("attention_field,positions,prompt_len",
+                         [(EVERY_PRESET, "rotary", 1), ("softmax,linear,hyla", "relative_bias", PROMPT),
+                          ("linear,hyla", "learned", PROMPT)])
+def test_decoding_gives_the_full_forward_logits(attention_field, positions, prompt_len):
   cfg = tiny(attention_field, positions=positions)
   tokens_bt, params = init(cfg)
   full_btv = np.asarray(model_lib.Transformer(cfg).apply({"params": params}, tokens_bt))
-  incremental_btv, caches = incremental(cfg, params, tokens_bt, PROMPT)
+  incremental_btv, caches = incremental(cfg, params, tokens_bt, prompt_len)
   np.testing.assert_allclose(incremental_btv, full_btv, rtol=1e-5, atol=1e-5 * np.abs(full_btv).max())
   # Linear attention keeps its recurrent state unless a position bias makes it need every key.
   kinds = {
