@@ -16,7 +16,7 @@ from lm.experiment import Experiment
 
 
 def sample(workdir: str, prompt: str, *, step: int | None = None, max_new_tokens: int = 64,
-           sampling: decode.Sampling = decode.Sampling(), seed: int = 0, num_samples: int = 1) -> list[str]:
+           sampling: decode.Sampling, seed: int = 0, num_samples: int = 1) -> list[str]:
   """The prompt followed by each sample's continuation, up to the first end-of-document token."""
   step, config = checkpointing.saved_config(workdir, step)
   if config.task != "lm":
