@@ -5,6 +5,7 @@ lm-sample end to end on a checkpoint the real trainer wrote."""
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,9 +25,15 @@ def tiny(attention_field, **kw):
                                attention_impl="reference", **kw)
 
 
-def init(cfg):
-  tokens_bt = jax.random.randint(jax.random.key(1), (2, T), 0, V)
-  return tokens_bt, model_lib.Transformer(cfg).init(jax.random.key(0), tokens_bt)["params"]
+def init(cfg, tokens_bt=None):
+  """Tokens [2, T] and random parameters of the model's shapes (drawn by numpy: initialising by the
+  model's own initialisers compiles much longer than the test runs)."""
+  if tokens_bt is None:
+    tokens_bt = jax.random.randint(jax.random.key(1), (2, T), 0, V)
+  shapes = nn.meta.unbox(jax.eval_shape(model_lib.Transformer(cfg).init, jax.random.key(0), tokens_bt))
+  rng = np.random.default_rng(0)
+  return tokens_bt, jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape) * 0.5, s.dtype),
+                                 shapes["params"])
 
 
 def incremental(cfg, params, tokens_bt, prompt_len):
@@ -56,7 +63,7 @@ EVERY_PRESET = ",".join(attention.PRESETS)
 def test_decoding_gives_the_full_forward_logits(attention_field, positions, prompt_len):
   cfg = tiny(attention_field, positions=positions)
   tokens_bt, params = init(cfg)
-  full_btv = np.asarray(model_lib.Transformer(cfg).apply({"params": params}, tokens_bt))
+  full_btv = np.asarray(jax.jit(model_lib.Transformer(cfg).apply)({"params": params}, tokens_bt))
   incremental_btv, caches = incremental(cfg, params, tokens_bt, prompt_len)
   np.testing.assert_allclose(incremental_btv, full_btv, rtol=1e-5, atol=1e-5 * np.abs(full_btv).max())
   # Linear attention keeps its recurrent state unless a position bias makes it need every key.
@@ -72,7 +79,7 @@ def test_decoding_gives_the_full_forward_logits(attention_field, positions, prom
 def test_linear_state_does_not_grow_with_generated_tokens():
   cfg = tiny("linear,linear")
   tokens_bt = jax.random.randint(jax.random.key(1), (1, 52), 0, V)
-  params = model_lib.Transformer(cfg).init(jax.random.key(0), tokens_bt[:, :8])["params"]
+  params = init(cfg, tokens_bt)[1]
   _, caches = incremental(cfg, params, tokens_bt, 2)
   after_10, after_50 = caches[10], caches[50]
   shapes = lambda cache: jax.tree.map(jnp.shape, cache)
@@ -104,8 +111,8 @@ def test_greedy_is_deterministic_and_seeds_reproduce(hybrid):
 
 
 def test_top_k_and_top_p_keep_the_likeliest_tokens():
-  logits_bv = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-  draws = lambda sampling: {int(decode.sample(logits_bv, jax.random.key(i), sampling)[0]) for i in range(200)}
+  logits_bv = jnp.log(jnp.tile(jnp.array([0.5, 0.3, 0.15, 0.05]), (400, 1)))  # 400 draws at once
+  draws = lambda sampling: set(np.asarray(decode.sample(logits_bv, jax.random.key(0), sampling)).tolist())
   assert draws(decode.Sampling(top_k=2)) == {0, 1}
   assert draws(decode.Sampling(top_p=0.8)) == {0, 1}  # 0.5 + 0.3 reach 0.8: the third is cut
   assert draws(decode.Sampling(top_p=0.81)) == {0, 1, 2}
@@ -142,4 +149,4 @@ def test_lm_sample_on_a_trained_hybrid(small_corpus, tmp_path):
   texts = [s.split("---\n", 1)[1] for s in samples]
   assert texts[0] == texts[1] and texts[0].startswith("the quick brown"), "greedy rows agree"
   with pytest.raises(ValueError, match="shorten the prompt to at most 31 tokens"):
-    eval_sample.sample(str(tmp_path), "the quick brown fox " * 20)
+    eval_sample.sample(str(tmp_path), "the quick brown fox " * 20, sampling=decode.Sampling())
