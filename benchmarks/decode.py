@@ -26,7 +26,7 @@ flags.DEFINE_list("contexts", ["128", "512", "2048", "8192"], "Context lengths C
 flags.DEFINE_list("batches", ["1", "16"], "Batch sizes (samples decoded together).")
 flags.DEFINE_list("variants", ["softmax", "linear", "hyla", "hyla+hyla+softmax", "linear+linear+softmax"],
                   "model.attention per variant; + joins per-layer presets (a hybrid).")
-flags.DEFINE_integer("tokens", 8, "Tokens timed per measurement (the last of the context).")
+flags.DEFINE_integer("tokens", 4, "Tokens timed per measurement (the last of the context).")
 flags.DEFINE_integer("repeats", 3, "Measurements per (context, batch, variant).")
 # c4_50m's shape: 6 layers of width 512, 8 heads of 64, MLP 2048, 32,000-piece vocabulary.
 flags.DEFINE_integer("D", 512, "Model width.")

@@ -10,7 +10,7 @@ Per layer (`kind`), with T the cache's length (prompt plus new tokens), H heads 
     normalises the heads of each (query, key) pair; the hypernetwork applies φ to a per-pair mixture
     z = Σ_h a_h v_h; and a position bias depends on each pair's distance. None of these is a sum of
     per-key terms independent of the query, so no summary of the past smaller than the keys and values
-    themselves is exact: HYLA and its ablations keep the key/value cache ([B, T, H, K] each, keys after
+    themselves is exact: HYLA and its ablations keep the key/value cache ([B, H, T, K] each, keys after
     rotary) and cost O(T·H·K) per token, as softmax does.
 """
 
@@ -37,16 +37,17 @@ class KeyValueCache(nn.Module):
   @nn.compact
   def __call__(self, q_bthk, k_bthk, v_bthk, positions_bt, bias_bhqk):
     B, _, H, K = k_bthk.shape
-    k_cache = self.variable("cache", "k_bthk", jnp.zeros, (B, self.length, H, K), k_bthk.dtype)
-    v_cache = self.variable("cache", "v_bthk", jnp.zeros, (B, self.length, H, K), v_bthk.dtype)
-    start = (0, positions_bt[0, 0], 0, 0)
-    k_cache.value = jax.lax.dynamic_update_slice(k_cache.value, k_bthk, start)
-    v_cache.value = jax.lax.dynamic_update_slice(v_cache.value, v_bthk, start)
+    # Head-major, as the core's per-head products read keys and values: no copy per token.
+    k_cache = self.variable("cache", "k_bhtk", jnp.zeros, (B, H, self.length, K), k_bthk.dtype)
+    v_cache = self.variable("cache", "v_bhtk", jnp.zeros, (B, H, self.length, K), v_bthk.dtype)
+    start = (0, 0, positions_bt[0, 0], 0)
+    k_cache.value = jax.lax.dynamic_update_slice(k_cache.value, jnp.swapaxes(k_bthk, 1, 2), start)
+    v_cache.value = jax.lax.dynamic_update_slice(v_cache.value, jnp.swapaxes(v_bthk, 1, 2), start)
     # Slots after the newest token hold zeros; causality over the explicit positions masks them.
-    return attention.attend(q_bthk, k_cache.value, v_cache.value, normalization=self.knobs.normalization,
-                            value_network=self.knobs.value_network, nonlinearity=self.knobs.nonlinearity,
-                            causal=True, bias=bias_bhqk, impl="auto", positions=(positions_bt[0],
-                                                                                 jnp.arange(self.length)))
+    return attention.attend(q_bthk, jnp.swapaxes(k_cache.value, 1, 2), jnp.swapaxes(v_cache.value, 1, 2),
+                            normalization=self.knobs.normalization, value_network=self.knobs.value_network,
+                            nonlinearity=self.knobs.nonlinearity, causal=True, bias=bias_bhqk, impl="auto",
+                            positions=(positions_bt[0], jnp.arange(self.length)))
 
 
 class RecurrentState(nn.Module):
