@@ -19,7 +19,9 @@ from launch import compile as compile_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("topology", "v5e:4x4", "TPU topology, as lm-compile --topology.")
-flags.DEFINE_list("attentions", ["softmax", "linear", "hyla"], "Attention presets.")
+flags.DEFINE_list(
+    "attentions", ["softmax", "linear", "hyla", "hyla+hyla+softmax"],
+    "Attention presets; + joins a hybrid's per-layer presets (model.attention=hyla,hyla,softmax).")
 flags.DEFINE_list("contexts", ["512", "1024"], "Sequence lengths.")
 flags.DEFINE_string("out", "", "Write the markdown table here too.")
 
@@ -29,7 +31,7 @@ TOKENS_PER_STEP = 256 * 512  # the paper's batch at context 512
 def config_for(attention: str, seq_len: int):
   c = c4_50m.get_config()
   rows = TOKENS_PER_STEP // seq_len
-  c.model.update(attention=attention, max_len=max(c.model.max_len, seq_len))
+  c.model.update(attention=attention.replace("+", ","), max_len=max(c.model.max_len, seq_len))
   c.data.seq_len = seq_len
   c.train.update(batch_size=rows, steps=int(c4_50m.TOKENS // (rows * seq_len)))
   return c

@@ -80,6 +80,13 @@ def _tokenizer(cfg: ml_collections.ConfigDict, vocab_size: int) -> Tokenizer:
   return tokenizer
 
 
+def load_tokenizer(cfg: ml_collections.ConfigDict, vocab_size: int) -> Tokenizer:
+  """The run's tokenizer as its data pipeline finds it, checked against the model's vocabulary."""
+  tokenizer = _tokenizer(cfg, vocab_size)
+  tokenizer.check_vocab(vocab_size)
+  return tokenizer
+
+
 def resolve(cfg: ml_collections.ConfigDict, vocab_size: int) -> Splits:
   """cfg: the `data` section; vocab_size: the model's V, which the tokenizer must match."""
   if cfg.source not in SOURCES:
@@ -91,8 +98,7 @@ def resolve(cfg: ml_collections.ConfigDict, vocab_size: int) -> Splits:
     splits = {s: tfds_split(cfg.dir, s) for s in SPLITS}
   else:
     splits = {s: records.open_split(cfg.dir, s) for s in SPLITS}
-  tokenizer = _tokenizer(cfg, vocab_size)
-  tokenizer.check_vocab(vocab_size)
+  tokenizer = load_tokenizer(cfg, vocab_size)
   for split, documents in splits.items():
     if not len(documents.source):
       raise ValueError(f"the '{split}' split in {cfg.dir} has no records; prepare it again "

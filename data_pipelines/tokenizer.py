@@ -77,6 +77,10 @@ class Tokenizer:
         np.asarray(prefix + ids + [self.eos], dtype=np.int32) for ids in self.sp.encode(texts, num_threads=1)
     ]
 
+  def encode_prompt(self, text: str) -> np.ndarray:
+    """A document's beginning to continue: [BOS] ids, without EOS."""
+    return self.encode(text)[:-1]
+
   def fingerprint(self) -> dict:
     """What pre-tokenized data records of the tokenizer that made it."""
     return {

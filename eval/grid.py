@@ -1,8 +1,10 @@
 """The grid runner: attention presets x seeds x config values, one process and workdir per point.
 
-`lm-grid --config=FILE --root=DIR [--presets=softmax,linear,hyla] [--seeds=0,1]
+`lm-grid --config=FILE --root=DIR [--presets=softmax,linear,hyla,hyla+softmax] [--seeds=0,1]
  [--grid=train.lr=1e-3,3e-3,1e-2 ... | --best_from=OTHER_ROOT] [--config.a.b=v | --config.a.b v ...]`
 
+A hybrid variant joins its layers' presets with + (hyla+softmax trains model.attention="hyla,softmax"),
+in --presets, point names and the summary alike.
 Every point trains with lm-train into ROOT/<preset>_seed<seed>[_<field>=<value>...]; its results
 (the trainer's final evaluation, and for the compositional tasks lm-latent's latent-code decoding)
 go to ROOT/<point>/point.json, and the summary of every finished point is rewritten after each. Rerunning the
@@ -27,7 +29,7 @@ from ml_collections import config_flags
 
 from data_pipelines import storage
 from eval import compare, grid_summary
-from lm import attention, checkpointing, cli, metrics
+from lm import attention, checkpointing, cli, metrics, model as model_lib
 
 FLAGS = flags.FLAGS
 COMPOSITIONAL = ("sraven", "fuzzy_logic")
@@ -138,10 +140,13 @@ def plan(
   """The grid's base config and its points, each with its lm-train arguments and parsed config:
   the product of presets, seeds and the axes' values, or (`chosen`) each preset at its own values.
   Every problem of the input is found here, before anything trains."""
-  unknown = [p for p in presets if p not in attention.PRESETS]
+  unknown = [
+      p for p in presets if any(layer not in attention.PRESETS for layer in grid_summary.layer_presets(p))
+  ]
   if not presets or unknown:
     raise GridError(f"unknown attention preset {', '.join(map(repr, unknown)) or '(none given)'}; "
-                    f"choose from: {', '.join(attention.PRESETS)}")
+                    f"choose from: {', '.join(attention.PRESETS)}, or a hybrid of them per layer joined "
+                    f"by {grid_summary.HYBRID} (hyla{grid_summary.HYBRID}softmax)")
   if len(set(presets)) < len(presets) or len(set(seeds)) < len(seeds):
     raise GridError("--presets and --seeds must not repeat a value")
   try:
@@ -170,8 +175,8 @@ def plan(
   points = []
   for values, seed, preset in order:
     args = [
-        *overrides, f"--config.model.attention={preset}", f"--config.seed={seed}",
-        *(f"--config.{k}={v}" for k, v in values.items())
+        *overrides, f"--config.model.attention={','.join(grid_summary.layer_presets(preset))}",
+        f"--config.seed={seed}", *(f"--config.{k}={v}" for k, v in values.items())
     ]
     points.append({
         "name": point_name(preset, seed, values),
@@ -181,6 +186,10 @@ def plan(
         "args": args,
         "config": parse_config(config_file, args)
     })
+    try:
+      model_lib.layer_presets(points[-1]["config"].model.attention, points[-1]["config"].model.L)
+    except ValueError as e:
+      raise GridError(f"--presets={preset}: {e}") from e
   return base, points
 
 
@@ -343,7 +352,9 @@ def main(argv):
 def run():
   config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
   flags.DEFINE_string("root", None, "Directory holding one workdir per grid point and the summary.")
-  flags.DEFINE_list("presets", ["softmax", "linear", "hyla"], "Attention presets (lm.attention.PRESETS).")
+  flags.DEFINE_list(
+      "presets", ["softmax", "linear", "hyla"], "Attention presets (lm.attention.PRESETS); a hybrid "
+      "names one per layer (or a repeated pattern) joined by +, e.g. hyla+hyla+hyla+softmax.")
   flags.DEFINE_list("seeds", ["0"], "Seeds; a seed fixes the initialisation and the data order.")
   flags.DEFINE_multi_string(
       "grid", [], "FIELD=V1,V2,...: an axis of config values, e.g. "

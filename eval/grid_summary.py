@@ -50,10 +50,22 @@ def _cell(mean: float, se: float | None, label: str) -> str:
   return f"{mean:.{digits}f}" + ("" if se is None else f" ± {se:.{digits}f}")
 
 
+# Joins the layers' presets of a hybrid variant in --presets, point names and the summary
+# ("hyla+softmax": model.attention="hyla,softmax"): --presets is itself a comma-separated list.
+HYBRID = "+"
+
+
+def layer_presets(variant: str) -> list[str]:
+  """The presets a grid variant names: one, or a hybrid's pattern of layers."""
+  return variant.split(HYBRID)
+
+
 def _order(preset: str, values: dict[str, str]) -> tuple:
-  """Presets in lm.attention's order, then values by number where they are numbers."""
+  """Presets in lm.attention's order (hybrids after their first layer's preset, by their layers), then
+  values by number where they are numbers."""
   number = lambda v: (0, float(v), "") if _is_number(v) else (1, 0.0, v)
-  return (list(attention.PRESETS).index(preset), [number(v) for v in values.values()])
+  return ([list(attention.PRESETS).index(p) for p in layer_presets(preset)],
+          [number(v) for v in values.values()])
 
 
 def _is_number(text: str) -> bool:

@@ -69,7 +69,7 @@ class Impl(NamedTuple):
   bidirectional: bool = True
   bias: bool = True
   dropout: bool = True
-  cross: bool = False  # query and key lengths may differ
+  cross: bool = False  # query and key lengths may differ, at explicit positions (`positions`)
   tile: int = 1  # lengths must be multiples of this
   memory_linear: bool = True  # training memory linear in the sequence length
 
@@ -114,6 +114,7 @@ class Call(NamedTuple):
   causal: bool
   bias: bool
   dropout: bool
+  positions: bool = False  # explicit query and key positions (a decoding cache)
 
 
 def unsupported(name: str, knobs: Knobs, call: Call) -> str | None:
@@ -132,6 +133,8 @@ def unsupported(name: str, knobs: Knobs, call: Call) -> str | None:
             "'blocked'")
   if call.dropout and not impl.dropout:
     return "applies no attention dropout; use impl 'auto' or 'blocked', or attention_dropout 0"
+  if call.positions and not impl.cross:
+    return "takes no explicit query and key positions; use impl 'auto' or 'reference'"
   if call.q_len is None:
     return None
   if call.q_len != call.k_len and not impl.cross:
@@ -169,9 +172,11 @@ def choose_impl(knobs: Knobs, call: Call) -> dict[str, str]:
   return {platform: first(platform) for platform in PLATFORMS}
 
 
-def _run(name: str, q, k, v, *, knobs, causal, segment_ids, bias, dropout_rate, dropout_rng):
+def _run(name: str, q, k, v, *, knobs, causal, segment_ids, bias, dropout_rate, dropout_rng, positions):
   """Implementation `name` given the arguments its row says it takes."""
   impl, kw = IMPLS[name], dict(segment_ids=segment_ids)
+  if impl.cross:
+    kw["positions"] = positions
   if impl.computes is None:
     kw["knobs"] = knobs
   if impl.bidirectional:
@@ -186,26 +191,28 @@ def _run(name: str, q, k, v, *, knobs, causal, segment_ids, bias, dropout_rate, 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: str, value_network: str,
            nonlinearity: str = "relu", causal: bool = True, segment_ids: jax.Array | None = None,
            bias: jax.Array | None = None, impl: str = "reference", dropout_rate: float = 0.0,
-           dropout_rng: jax.Array | None = None) -> jax.Array:
+           dropout_rng: jax.Array | None = None, positions: core.Positions | None = None) -> jax.Array:
   """Maps q, k, v [batch, seq, heads, head_dim] to [batch, seq, heads, head_dim].
 
   segment_ids [batch, seq]: tokens attend only within their own segment (packed documents).
   bias: additive, broadcastable to [batch, heads, q, k] (e.g. relative position bias).
   dropout_rate, dropout_rng: attention dropout of the normalised scores, one [q, k] mask shared over
   batch and heads, drawn from dropout_rng; every implementation that drops draws the same mask.
+  positions: (query positions [q], key positions [k]) when the queries are not the first q of the keys,
+  as when new tokens attend to a decoding cache; causality compares these.
   """
   knobs = Knobs(normalization, value_network, nonlinearity)
   if not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f"attention dropout_rate must be in [0, 1), got {dropout_rate}")
   if dropout_rate and dropout_rng is None:
     raise ValueError("attention dropout needs dropout_rng (a jax.random key)")
-  call = Call(q.shape[1], k.shape[1], causal, bias is not None, dropout_rate > 0)
+  call = Call(q.shape[1], k.shape[1], causal, bias is not None, dropout_rate > 0, positions is not None)
   check(impl, knobs, call)
   chosen = choose_impl(knobs, call) if impl == "auto" else dict.fromkeys(PLATFORMS, impl)
   run = {
       name:
           functools.partial(_run, name, knobs=knobs, causal=causal, segment_ids=segment_ids, bias=bias,
-                            dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+                            dropout_rate=dropout_rate, dropout_rng=dropout_rng, positions=positions)
       for name in set(chosen.values())
   }
   if len(run) == 1:

@@ -32,6 +32,9 @@ NONLINEARITIES: dict[str, Callable[[jax.Array], jax.Array]] = {
     "identity": lambda x: x,
 }
 RMS_HEAD_EPS = 1e-6
+# Explicit (query positions [q], key positions [k]): causality among them when the queries are not the
+# first q of the keys (incremental decoding attends new queries to a cache of keys).
+Positions = tuple[jax.Array, jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +72,16 @@ def pair_mask(q_pos_q: jax.Array, k_pos_k: jax.Array, *, causal: bool,
   return mask
 
 
-def attention_mask(q_len: int, k_len: int, *, causal: bool,
-                   segment_ids: jax.Array | None) -> jax.Array | None:
+def pair_positions(q_len: int, k_len: int, positions: Positions | None) -> Positions:
+  """The (query, key) positions of a call: the given ones, or the first q_len and k_len."""
+  return positions if positions is not None else (jnp.arange(q_len), jnp.arange(k_len))
+
+
+def attention_mask(q_len: int, k_len: int, *, causal: bool, segment_ids: jax.Array | None,
+                   positions: Positions | None = None) -> jax.Array | None:
   """Boolean [batch or 1, 1, q, k] mask of allowed pairs, or None when everything is allowed."""
-  return pair_mask(jnp.arange(q_len), jnp.arange(k_len), causal=causal, q_segment_ids_bq=segment_ids,
+  q_pos_q, k_pos_k = pair_positions(q_len, k_len, positions)
+  return pair_mask(q_pos_q, k_pos_k, causal=causal, q_segment_ids_bq=segment_ids,
                    k_segment_ids_bk=segment_ids)
 
 
@@ -152,21 +161,23 @@ def apply_value_network(a_bhqk: jax.Array, v_bkhd: jax.Array, *, value_network: 
 
 
 def normalized_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, *, normalization: str, causal: bool = True,
-                      segment_ids: jax.Array | None = None, bias: jax.Array | None = None) -> jax.Array:
+                      segment_ids: jax.Array | None = None, bias: jax.Array | None = None,
+                      positions: Positions | None = None) -> jax.Array:
   """Steps 1-2, for evaluation (the latent codes): a_bhqk in float32. For a (q, k) pair, a[:, :, q, k]
   across heads is the pair's latent code; masked entries are exactly 0 in every normalisation."""
-  mask = attention_mask(q_bqhd.shape[1], k_bkhd.shape[1], causal=causal, segment_ids=segment_ids)
+  mask = attention_mask(q_bqhd.shape[1], k_bkhd.shape[1], causal=causal, segment_ids=segment_ids,
+                        positions=positions)
   return normalize(masked_scores(q_bqhd, k_bkhd, bias, mask), mask, normalization=normalization)
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: Knobs, causal: bool,
               segment_ids: jax.Array | None, bias: jax.Array | None, dropout_rate: float,
-              dropout_rng: jax.Array | None) -> jax.Array:
+              dropout_rng: jax.Array | None, positions: Positions | None = None) -> jax.Array:
   """The definition with einsums: [b, h, t, t] scores and, for the hypernetwork, z as [b, t, t, d]."""
   a_bhqk = normalized_scores(q, k, normalization=knobs.normalization, causal=causal, segment_ids=segment_ids,
-                             bias=bias)
+                             bias=bias, positions=positions)
   if dropout_rate:
-    keep_11qk = dropout_keep(dropout_rng, jnp.arange(q.shape[1]), jnp.arange(k.shape[1]), dropout_rate)
+    keep_11qk = dropout_keep(dropout_rng, *pair_positions(q.shape[1], k.shape[1], positions), dropout_rate)
     a_bhqk = drop(a_bhqk, keep_11qk, dropout_rate)
   return apply_value_network(a_bhqk, v, value_network=knobs.value_network,
                              nonlinearity=knobs.nonlinearity).astype(q.dtype)

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm import attention, sharding
+from lm import attention, decode_cache, sharding
 
 POSITIONS = ("rotary", "relative_bias", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -138,10 +138,13 @@ def relative_bucket(relative_bqk: jax.Array, *, bidirectional: bool, num_buckets
 
 class Attention(nn.Module):
   """Projections around lm.attention.attend with layer `layer`'s preset. Latent codes are computed
-  only when the `codes` collection is mutable, which only `latent_codes` (evaluation) makes it."""
+  only when the `codes` collection is mutable, which only `latent_codes` (evaluation) makes it.
+  decode_len > 0: the inputs are the next tokens after those already in the layer's decoding cache of
+  decode_len positions (lm/decode_cache.py), whose exact state depends on the preset."""
   cfg: ModelConfig
   layer: int
   deterministic: bool = True
+  decode_len: int = 0
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, segment_ids_bt, bias_bhqk):
@@ -156,6 +159,13 @@ class Attention(nn.Module):
       q_bthk = rotary(q_bthk, positions_bt, cfg.rope_base)
       k_bthk = rotary(k_bthk, positions_bt, cfg.rope_base)
     knobs = cfg.layer_knobs(self.layer)
+    if self.decode_len:
+      if decode_cache.kind(knobs, bias_bhqk is not None) == "recurrent":
+        out_bthk = decode_cache.RecurrentState(name="state")(q_bthk, k_bthk, v_bthk)
+      else:
+        out_bthk = decode_cache.KeyValueCache(self.decode_len, knobs, name="kv")(q_bthk, k_bthk, v_bthk,
+                                                                                 positions_bt, bias_bhqk)
+      return jnp.einsum("bthk,hkd->btd", out_bthk, wo_hkd)
     if self.is_mutable_collection("codes"):
       self.sow(
           "codes", "a_bhqk",
@@ -185,26 +195,40 @@ class Block(nn.Module):
   cfg: ModelConfig
   layer: int
   deterministic: bool = True
+  decode_len: int = 0
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, segment_ids_bt, bias_bhqk):
     dtype = DTYPES[self.cfg.dtype]
-    x_btd = x_btd + Attention(self.cfg, self.layer, self.deterministic, name="attn")(_layer_norm(
-        dtype, "ln_attn")(x_btd), positions_bt, segment_ids_bt, bias_bhqk)
+    x_btd = x_btd + Attention(self.cfg, self.layer, self.deterministic, self.decode_len, name="attn")(
+        _layer_norm(dtype, "ln_attn")(x_btd), positions_bt, segment_ids_bt, bias_bhqk)
     return x_btd + Mlp(self.cfg, name="mlp")(_layer_norm(dtype, "ln_mlp")(x_btd))
 
 
 class Transformer(nn.Module):
   """inputs: token ids [B, T] (or float features [B, T, I] when cfg.input_dim > 0) → float32 outputs
-  [B, T, V]."""
+  [B, T, V].
+
+  decode_len > 0 (causal models only): incremental decoding. Each call appends its T tokens after
+  those of earlier calls, at positions index..index+T-1 of a context of decode_len positions, and
+  updates the mutable "cache" collection (every layer's state and `index`); lm/decode.py drives it.
+  """
   cfg: ModelConfig
+  decode_len: int = 0
 
   @nn.compact
   def __call__(self, inputs, *, positions_bt=None, segment_ids_bt=None, deterministic: bool = True):
     cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
     B, T = inputs.shape[:2]
     explicit_positions = positions_bt is not None
-    if not explicit_positions:
+    if self.decode_len:
+      if not cfg.causal or explicit_positions or segment_ids_bt is not None:
+        raise ValueError("decoding (decode_len > 0) is for causal models and takes tokens only: "
+                         "positions follow the cache's index")
+      index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+      positions_bt = jnp.broadcast_to(index.value + jnp.arange(T), (B, T))
+      index.value = index.value + T
+    elif not explicit_positions:
       positions_bt = jnp.broadcast_to(jnp.arange(T), (B, T))
     if cfg.input_dim:
       w_id = self.param("input_proj", _init(cfg.input_dim**-0.5, None, "embed"), (cfg.input_dim, cfg.D))
@@ -219,8 +243,10 @@ class Transformer(nn.Module):
     if cfg.positions == "relative_bias":
       # Without explicit positions every row has the same bias: build it once, [1, H, T, T], not per
       # row (its gather's gradient is a scatter-add the size of the bias).
-      pos_bt = positions_bt if explicit_positions else positions_bt[:1]
-      bucket_bqk = relative_bucket(pos_bt[:, None, :] - pos_bt[:, :, None],
+      q_pos_bt = positions_bt if explicit_positions else positions_bt[:1]
+      # Decoding: the new tokens' queries against every slot of the cache.
+      k_pos_bt = jnp.arange(self.decode_len)[None] if self.decode_len else q_pos_bt
+      bucket_bqk = relative_bucket(k_pos_bt[:, None, :] - q_pos_bt[:, :, None],
                                    bidirectional=cfg.relative_bidirectional and not cfg.causal,
                                    num_buckets=cfg.relative_buckets, max_distance=cfg.relative_max_distance)
       # A few numbers per head: replicated.
@@ -228,12 +254,13 @@ class Transformer(nn.Module):
           self.param(name, _init(0.02, None, None), (cfg.relative_buckets, cfg.H))[bucket_bqk], -1, 1)
       if not cfg.relative_bias_per_layer:
         bias_bhqk = relative_bias("relative_bias")  # one table shared by all layers, as in T5
-    block = nn.remat(Block) if cfg.remat else Block
+    block = nn.remat(Block) if cfg.remat and not self.decode_len else Block  # remat saves only for gradients
     x_btd = sharding.constrain_batch(x_btd)
     for i in range(cfg.L):
       if cfg.positions == "relative_bias" and cfg.relative_bias_per_layer:
         bias_bhqk = relative_bias(f"relative_bias_{i}")
-      x_btd = block(cfg, i, deterministic, name=f"block_{i}")(x_btd, positions_bt, segment_ids_bt, bias_bhqk)
+      x_btd = block(cfg, i, deterministic, self.decode_len, name=f"block_{i}")(x_btd, positions_bt,
+                                                                               segment_ids_bt, bias_bhqk)
       x_btd = sharding.constrain_batch(x_btd)
     x_btd = _layer_norm(dtype, "ln_final")(x_btd)
     if cfg.tied_embeddings and not cfg.input_dim:

@@ -191,6 +191,8 @@ def test_impl_that_cannot_compute_the_knobs_fails_clearly(knobs, impl, message):
     ("chunked", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "'chunked' applies no attention "
      "dropout"),
     ("blocked", dict(k=jnp.zeros((2, 5, 3, 4))), "needs as many keys as queries, got 21 and 5"),
+    ("chunked", dict(positions=(jnp.arange(21), jnp.arange(21))),
+     "'chunked' takes no explicit query and key positions; use impl 'auto' or 'reference'"),
 ])
 def test_shapes_an_impl_cannot_take_fail_clearly(impl, kw, message):
   q, k, v, _, _ = _inputs()

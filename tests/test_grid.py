@@ -120,6 +120,22 @@ def test_a_root_of_another_grid_is_refused(tmp_path):
   assert "has no grid.json: it is not a grid's root" in str(e.value)
 
 
+def test_hybrids_are_named_with_plus_in_the_grid(tmp_path):
+  _, points = grid.plan(TINY, [], ["hyla+softmax", "softmax"], ["0"], {})
+  assert [p["name"] for p in points] == ["hyla+softmax_seed0", "softmax_seed0"]
+  assert points[0]["args"][0] == "--config.model.attention=hyla,softmax"
+  assert points[0]["config"].model.attention == "hyla,softmax"
+  with pytest.raises(grid.GridError, match="unknown attention preset 'hyla\\+nope'.* joined by \\+"):
+    grid.plan(TINY, [], ["hyla+nope"], ["0"], {})
+  with pytest.raises(grid.GridError, match="--presets=hyla\\+hyla\\+softmax: .* does not divide model.L=2"):
+    grid.plan(TINY, [], ["hyla+hyla+softmax"], ["0"], {})
+  # The summary's rows: a hybrid after the single presets of its first layer, labelled as in --presets.
+  for preset, loss in (("hyla+softmax", 4.0), ("hyla", 4.5), ("softmax", 5.0)):
+    fake_point(tmp_path, preset, 0, "1e-3", loss)
+  rows = grid_summary.group(grid_summary.load_points(tmp_path), "lm")
+  assert [r["preset"] for r in rows] == ["softmax", "hyla", "hyla+softmax"]
+
+
 # --- the summary on hand-made points -------------------------------------------------------------
 
 
@@ -128,7 +144,7 @@ def fake_point(root, preset, seed, lr, loss, steps=10):
   name = grid.point_name(preset, seed, {"train.lr": lr})
   workdir = root / name
   c = tiny.get_config()
-  c.model.attention, c.seed, c.train.lr, c.train.steps = preset, seed, float(lr), steps
+  c.model.attention, c.seed, c.train.lr, c.train.steps = preset.replace("+", ","), seed, float(lr), steps
   workdir.mkdir(parents=True)
   (workdir / "config.json").write_text(c.to_json())
   writer = metrics.Writer(str(workdir))
