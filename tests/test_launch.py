@@ -36,7 +36,7 @@ def dry_run(capsys, action: str, *argv: str) -> list[str]:
 
 def launch(*argv: str) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-m", "launch.cli", *argv], cwd=ROOT, text=True, capture_output=True,
-                        timeout=60)
+                        timeout=180)
 
 
 def test_create_dry_run(capsys):

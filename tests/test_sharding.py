@@ -30,7 +30,7 @@ def test_every_model_parameter_declares_its_layout_and_the_optimiser_follows(fie
   opt = optimizer.make(
       ml_collections.ConfigDict(
           dict(grad_clip=1.0, lr=1e-3, b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1, steps=10, warmup_steps=1,
-               end_lr_frac=0.1)))
+               end_lr_frac=0.1, schedule="cosine")))
 
   def init(rng):
     params = model_lib.Transformer(cfg).init(rng, inputs)["params"]
