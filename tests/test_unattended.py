@@ -115,7 +115,8 @@ def test_wandb_gets_every_number_and_a_restart_continues_the_run(tmp_path):
     tee.close()
     assert log.records == [(step, "train", {"loss": step / 10, "note": "not a number"})] and log.closed
   run_id = (workdir / "wandb_run_id").read_text()
-  files = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb")))
+  # In the order written: the run directories' names carry the start time in whole seconds only.
+  files = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb")), key=os.path.getmtime)
   assert [os.path.basename(f) for f in files] == [f"run-{run_id}.wandb"] * 2
   assert [wandb_history(f) for f in files] == [[{
       "step": 12,
