@@ -16,17 +16,14 @@ traces 3 steps with jax.profiler and prints each kind of XLA operation's share o
 by kind, numbered instances summed) and the 8 longest operations.
 """
 
-import collections
-import glob
-import gzip
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 
+import profiles
 from absl import app, flags
 
 _PRESETS = flags.DEFINE_list("presets", ["softmax", "linear", "hyla"], "Our attention presets.")
@@ -69,7 +66,7 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
       for _ in range(3):
         state, stats = exp.train_step(state, exp.global_batch(data.next()))
       jax.block_until_ready(stats)
-    print_profile(_PROFILE.value)
+    profiles.print_shares(_PROFILE.value)
   return {
       "code": "ours",
       "preset": preset,
@@ -79,24 +76,6 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
       "loss": float(stats["loss"]),
       "jax": jax.__version__
   }
-
-
-def print_profile(directory: str) -> None:
-  """Time share of XLA's operations in the newest perfetto trace under directory."""
-  path = sorted(glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True), key=os.path.getmtime)[-1]
-  ops = [
-      e for e in json.load(gzip.open(path))["traceEvents"] if e.get("ph") == "X" and
-      not e["name"].startswith("$") and not re.match(r"(ThunkExecutor|Slinky)", e["name"])
-  ]
-  kinds, each = collections.Counter(), collections.Counter()
-  for e in ops:
-    kinds[re.sub(r"\.\d+$", "", e["name"])] += e.get("dur", 0)
-    each[e["name"]] += e.get("dur", 0)
-  total = sum(kinds.values())
-  for name, us in kinds.most_common(10):
-    print(f"{us / total:6.1%}  {name}")
-  for name, us in each.most_common(8):
-    print(f"{us / total:6.1%}  {name} (one operation)")
 
 
 def _run(cmd: list[str]) -> dict:
