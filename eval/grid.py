@@ -117,10 +117,13 @@ def point_name(preset: str, seed: int, values: dict[str, str]) -> str:
 
 
 def best_values(root: str, presets: list[str]) -> dict[str, dict[str, str]]:
-  """The config values a finished grid's summary chose for each preset."""
-  path = epath.Path(root) / "summary.json"
+  """The config values a finished grid's summary chose for each preset. root: the grid's root, or
+  its summary.json itself (e.g. a copy kept beside a report after the runs are gone)."""
+  path = epath.Path(root)
+  path = path if path.is_file() else path / "summary.json"
   if not path.exists():
-    raise GridError(f"--best_from={root} has no summary.json; run (or finish) that grid first")
+    raise GridError(f"--best_from={root} has no summary.json; run (or finish) that grid first, or "
+                    f"give the path of its summary.json")
   best = json.loads(path.read_text())["best"]
   missing = [p for p in presets if p not in best]
   if missing:
@@ -360,8 +363,8 @@ def run():
       "grid", [], "FIELD=V1,V2,...: an axis of config values, e.g. "
       "train.lr=1e-3,3e-3,1e-2; repeat the flag for more axes.")
   flags.DEFINE_string(
-      "best_from", None, "Root of a finished grid: each preset runs at the config "
-      "values that grid chose for it (its lowest mean loss), instead of --grid.")
+      "best_from", None, "Root of a finished grid, or its summary.json: each preset runs at "
+      "the config values that grid chose for it (its lowest mean loss), instead of --grid.")
   flags.DEFINE_integer(
       "latent_examples", 1024, "Instances per split for the latent-code probe "
       "(compositional tasks; lm-latent --examples).")
