@@ -211,7 +211,6 @@ def test_summary_picks_each_variants_lr_and_pairs_seeds(tmp_path):
     assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
 
 
-
 def test_best_from_takes_a_root_or_its_summary_file(tmp_path):
   for lr, loss in (("1e-3", 5.0), ("1e-2", 4.0)):
     fake_point(tmp_path, "softmax", 0, lr, loss)
@@ -222,6 +221,7 @@ def test_best_from_takes_a_root_or_its_summary_file(tmp_path):
     assert grid.best_values(str(source), ["softmax"]) == {"softmax": {"train.lr": "1e-2"}}
   with pytest.raises(grid.GridError, match="no summary.json"):
     grid.best_values(str(tmp_path / "nowhere"), ["softmax"])
+
 
 # --- end to end, in processes ---------------------------------------------------------------------
 
