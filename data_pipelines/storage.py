@@ -37,8 +37,10 @@ def written_whole(path: str | os.PathLike) -> Iterator[str]:
     tmp = path.parent / f".{path.name}.tmp"
     try:
       yield os.fspath(tmp)
-    except BaseException:
+    except BaseException as e:
       tmp.unlink(missing_ok=True)
+      if isinstance(e, OSError) and e.filename is None:  # a failed write() names no file: name it
+        raise OSError(e.errno, e.strerror, os.fspath(path)) from e
       raise
     os.replace(tmp, path)
     return

@@ -259,11 +259,15 @@ def _close_after_failure(ckpt: checkpointing.Checkpointer, writer: metrics.Write
     except Exception as e:  # the storage that failed the run may fail these too (orbax keeps no part)
       failed.append(f"{what} could not be written ({storage.write_refused(e) or str(e).splitlines()[0]})")
   ckpt.discard_unfinished()
+  return "; ".join(failed + [_saved(workdir)])
+
+
+def _saved(workdir: str | epath.Path) -> str:
+  """The newest checkpoint on disk now, and that a rerun of the same command resumes from it."""
   latest = checkpointing.latest_step(workdir)
-  return "; ".join(failed + [
-      "no checkpoint was saved" if latest is
-      None else f"the latest checkpoint is at step {latest}; the same command resumes from it"
-  ])
+  if latest is None:
+    return "no checkpoint was saved"
+  return f"the latest checkpoint is at step {latest}; the same command resumes from it"
 
 
 def _silence_refused_writes(record: logging.LogRecord) -> bool:
@@ -307,7 +311,11 @@ def main(argv):
     if not refused and not isinstance(e, (ValueError, OSError, FloatingPointError, ownership.WorkdirError)):
       raise
     # The last note is what _close_after_failure saw saved (grain adds notes of its own before it).
-    raise SystemExit("; ".join([f"lm-train: {refused or e}", *getattr(e, "__notes__", [])[-1:]])) from e
+    notes = getattr(e, "__notes__", [])[-1:]
+    saved = _saved(FLAGS.workdir) if refused else None
+    if saved and not (notes and notes[-1].endswith(saved)):
+      notes = [saved]  # refused before training (the lock, config.json): no note of _close_after_failure
+    raise SystemExit("; ".join([f"lm-train: {refused or e}", *notes])) from e
 
 
 def run():

@@ -382,6 +382,49 @@ def test_a_full_disk_is_one_line_naming_the_saved_step(small_corpus, tmp_path):
     assert_finite(checkpointing.load(str(workdir), int(match[3]))[1])
 
 
+# Where mounting a small file system is not permitted: config.json, written at every start, cannot be.
+CONFIG_JSON_ON_A_FULL_DISK = """
+import errno, os
+from data_pipelines import storage
+
+def _full(path, data, write=storage.write_bytes):
+  if str(path).endswith('config.json'):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+  write(path, data)
+
+storage.write_bytes = _full
+"""
+
+
+def test_a_full_disk_at_the_start_of_a_resume_names_the_latest_checkpoint(small_corpus, tmp_path):
+  """A disk that filled up after the last checkpoint: the rerun's first write (the workdir's lock,
+  config.json) fails before training, and its line still names the checkpoint it would resume from."""
+  with filesystems.small(tmp_path / "disk", "850k") as mounted:
+    workdir = tmp_path / "disk" / "run"
+    config = tmp_path / "run_config.py"
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    command = [sys.executable, "-m", "lm.train", f"--config={config}", f"--workdir={workdir}"]
+    settings = CONFIG_FILE.format(corpus=str(small_corpus), steps=5,
+                                  every=5).replace("  return c", "  c.compilation_cache = 'none'\n  return c")
+    config.write_text(settings)
+    first = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0 and checkpointing.latest_step(workdir) == 5, first.stderr[-3000:]
+    if mounted:
+      with open(tmp_path / "disk" / "filler", "wb",
+                buffering=0) as f, pytest.raises(OSError, match="No space left"):
+        while True:
+          f.write(b"\0" * 4096)
+    else:
+      settings += CONFIG_JSON_ON_A_FULL_DISK
+    config.write_text(settings.replace("steps=5,", "steps=10,"))
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert re.fullmatch(
+        rf"lm-train: no space left on device: cannot write {re.escape(str(workdir))}/\S+ \(on the file "
+        r"system mounted at \S+, [\d.]+ MB free\); free space on it; the latest checkpoint is at step 5; "
+        r"the same command resumes from it\n", result.stderr), result.stderr
+
+
 # What a save that failed on a loaded host leaves behind (test below): TensorStore writes whose
 # awaiting event loop orbax closed, ending afterwards. Here one such write ends with step 3's log.
 LATE_WRITE = """
