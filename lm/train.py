@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 
 import jax
 import ml_collections
@@ -302,6 +303,9 @@ def main(argv):
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   absl_logging.get_absl_handler().addFilter(_silence_refused_writes)
   sys.unraisablehook = _ignore_late_completions
+  # A save that failed on one item (GCS refusing a write) leaves the other items' coroutines never
+  # run; Python warns of each at exit, below the line that reports the failure.
+  warnings.filterwarnings("ignore", r"coroutine '\w+\.async_save' was never awaited", RuntimeWarning)
   try:
     with ownership.hold(FLAGS.workdir, FLAGS.lease_seconds):
       train_and_evaluate(FLAGS.config, FLAGS.workdir)
