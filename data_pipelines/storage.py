@@ -35,13 +35,15 @@ def written_whole(path: str | os.PathLike) -> Iterator[str]:
   path = epath.Path(path)
   if not is_remote(path):
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp"
+    tmp = _partial(path)
     try:
       yield os.fspath(tmp)
     except BaseException as e:
       tmp.unlink(missing_ok=True)
-      if isinstance(e, OSError) and e.filename is None:  # a failed write() names no file: name it
-        raise OSError(e.errno, e.strerror, os.fspath(path)) from e
+      # A failed write() names no file, ArrayRecord's writer says it in words only: name both here.
+      code = e.errno if isinstance(e, OSError) and e.filename is None else _refused_errno(e)
+      if code:
+        raise OSError(code, os.strerror(code), os.fspath(path)) from e
       raise
     os.replace(tmp, path)
     return
@@ -51,6 +53,16 @@ def written_whole(path: str | os.PathLike) -> Iterator[str]:
     # A streamed upload (gcsfs: resumable) becomes visible only when the file is closed.
     with naming(path), open(local, "rb") as src, path.open("wb") as dst:
       shutil.copyfileobj(src, dst, 16 << 20)
+
+
+def _partial(path: epath.Path) -> epath.Path:
+  return path.parent / f".{path.name}.tmp"
+
+
+def discard_partial(path: str | os.PathLike) -> None:
+  """Deletes what a `written_whole(path)` of a process that was killed mid-write left."""
+  if not is_remote(path):
+    _partial(epath.Path(path)).unlink(missing_ok=True)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -132,6 +144,13 @@ def _gcs_object(text: str) -> str | None:
   if url and (url[2] or url[3]):
     return f"gs://{url[1]}/{urllib.parse.unquote(url[2] or url[3])}"
   return None
+
+
+def _refused_errno(e: BaseException) -> int | None:
+  """The errno of _REFUSALS that e is, or names in its text."""
+  if isinstance(e, OSError) and e.errno in _REFUSALS:
+    return e.errno
+  return next((code for code, (words, _) in _REFUSALS.items() if words in str(e)), None)
 
 
 def write_refused(e: BaseException) -> str | None:

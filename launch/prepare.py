@@ -12,7 +12,7 @@ import os
 from absl import flags
 from etils import epath
 
-from data_pipelines import prepare, records, tokenizer as tokenizer_lib
+from data_pipelines import prepare, records, storage, tokenizer as tokenizer_lib
 from lm import cli
 
 FLAGS = flags.FLAGS
@@ -39,7 +39,10 @@ def main(argv):
     elif FLAGS.tokenizer:
       tok = tokenizer_lib.Tokenizer(FLAGS.tokenizer)
       print(f"tokenizer: {FLAGS.tokenizer}, {tok.vocab_size} pieces (set model.V={tok.vocab_size})")
-  except (ValueError, FileNotFoundError, RuntimeError) as e:  # RuntimeError: SentencePiece's
+  except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: SentencePiece's
+    if refused := storage.write_refused(e):
+      raise SystemExit(f"lm-prepare: {refused}; then run the same command again: it keeps the "
+                       f"finished shards and redoes the rest") from e
     raise SystemExit(f"lm-prepare: {e}") from e
   print(json.dumps(totals, indent=1))
 
