@@ -25,6 +25,8 @@ def main(argv):
     if not files:
       raise SystemExit(f"lm-prepare: --{split}={getattr(FLAGS, split)!r} matches no file")
   output = epath.Path(FLAGS.output)
+  if output.is_file():
+    raise SystemExit(f"lm-prepare: --output={output} is a file; give a directory (it is created if missing)")
   if FLAGS.train_tokenizer and FLAGS.pretokenize:
     raise SystemExit("lm-prepare: --train_tokenizer needs text shards: prepare the text first, then "
                      "pre-tokenize into another directory with --tokenizer=the trained model")

@@ -197,9 +197,13 @@ def saved_config(workdir: str, step: int | None = None) -> tuple[int, ml_collect
   """The latest (or given) complete step in workdir and the config it was saved with."""
   manager = _reader(workdir)
   step = manager.latest_step() if step is None else step
-  if step is None or step not in manager.all_steps():
-    raise FileNotFoundError(f"no checkpoint{'' if step is None else f' at step {step}'} in "
-                            f"{workdir}/checkpoints; steps there: {list(manager.all_steps())}")
+  if step is None:
+    what = "a file" if epath.Path(workdir).is_file() else "not the workdir of a run that saved one"
+    raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints: {workdir} is {what}; --workdir "
+                            f"must name the directory that lm-train --workdir wrote")
+  if step not in manager.all_steps():
+    raise FileNotFoundError(f"no checkpoint at step {step} in {workdir}/checkpoints; steps there: "
+                            f"{list(manager.all_steps())}: choose one of them")
   config = ml_collections.ConfigDict(
       manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
   manager.close()

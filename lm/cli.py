@@ -13,11 +13,14 @@ which sets up the rest:
   fails and libtpu prints an error-looking trace about worker hostnames, so there JAX is told to use
   the CPU; lm-compile loads libtpu's compiler itself (`jax.experimental.topologies`), which this does
   not touch. A JAX_PLATFORMS the user set is left as it is.
-- A --config file that is missing, or a misspelt --config.* field, is one line, not a traceback.
+- A --config file that is missing or fails to run, a misspelt --config.* field or a value of the
+  wrong type is one line, not a traceback.
 """
 
 import os
+import re
 import sys
+import traceback
 from collections.abc import Callable
 
 import jax
@@ -32,22 +35,64 @@ def choose_platform() -> None:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's own parsing, and the --config file loaded now: a missing file or a misspelt
-  --config.* field stops the command with one line that names it, not a traceback."""
+  """absl's own parsing, and the --config file loaded now: a missing file, one that fails to run, a
+  misspelt --config.* field or a value of the wrong type stops the command with one line that
+  names it, not a traceback."""
   command = os.path.basename(argv[0])
   try:
-    args = app.parse_flags_with_usage(argv)
+    args = flags.FLAGS(argv)
     if "config" in flags.FLAGS and flags.FLAGS["config"].present:
       flags.FLAGS.config.keys()  # a file that failed to load raises here, on first use
     return args
-  except (AttributeError, KeyError) as e:  # a misspelt field: ml_collections says which it meant
-    while e.args and isinstance(e.args[0], BaseException):  # ml_collections wraps its KeyError
-      e = e.args[0]
-    lines = str(e.args[0] if e.args else e).splitlines()
-    raise SystemExit(f"{command}: no config field {lines[0]} (from a --config.* override)" +
-                     "".join(f"; {line.strip()}" for line in lines[1:])) from None
-  except OSError as e:  # the config file: config_flags lists every path it tried, the cause last
-    raise SystemExit(f"{command}: cannot load --config: {str(e).strip().splitlines()[-1].strip()}") from None
+  except Exception as e:  # pylint: disable=broad-except
+    if raised := _raised_by_config_file(e):
+      raise SystemExit(f"{command}: --config: {raised}; correct the config file") from None
+    if isinstance(e, flags.Error):
+      raise SystemExit(f"{command}: {_wrong_value(str(e))}") from None
+    if isinstance(e, (AttributeError, KeyError)):  # a misspelt field: ml_collections says which it meant
+      field, _, hint = _message(e).partition("; ")
+      raise SystemExit(f"{command}: no config field {field} (from a --config.* override)" +
+                       (f"; {hint}" if hint else "")) from None
+    if isinstance(e, OSError):  # the config file: config_flags lists every path it tried, the cause last
+      raise SystemExit(
+          f"{command}: cannot load --config: {str(e).strip().splitlines()[-1].strip()}") from None
+    raise
+
+
+def _raised_by_config_file(e: Exception) -> str | None:
+  """'FILE, line N: Error: message' when the config file's code failed: its syntax, or get_config
+  (or a module it imports) raising. config_flags passes these on as they are, except TypeError and
+  ValueError, whose traceback it puts into the text of absl's error."""
+  if isinstance(e, SyntaxError):
+    return f"{e.filename}, line {e.lineno}: SyntaxError: {e.msg}"
+  if isinstance(e, flags.Error) and "Error whilst parsing config file" in str(e):
+    frames = re.findall(r'File "([^"]+)", line (\d+)', str(e))
+    return f"{frames[-1][0]}, line {frames[-1][1]}: {str(e).strip().splitlines()[-1].strip()}"
+  frames = traceback.extract_tb(e.__traceback__)
+  names = [frame.name for frame in frames]
+  if "get_config" not in names:
+    return None
+  # The config's own line that failed (the last frame of ours), not ml_collections' (site-packages).
+  ours = [f for f in frames[names.index("get_config"):] if "site-packages" not in f.filename]
+  return f"{ours[-1].filename}, line {ours[-1].lineno}: {type(e).__name__}: {_message(e)}"
+
+
+def _message(e: BaseException) -> str:
+  """e's message in one line; ml_collections' AttributeError wraps a KeyError, whose str() quotes."""
+  while e.args and isinstance(e.args[0], BaseException):
+    e = e.args[0]
+  text = str(e.args[0] if len(e.args) == 1 else e)
+  return "; ".join(line.strip() for line in text.splitlines())
+
+
+def _wrong_value(message: str) -> str:
+  """absl's message for a flag value it refused, in one line naming what the field takes."""
+  line = message.strip().splitlines()[0].removeprefix("flag ")
+  for words, kind in (("for int()", "an integer"), ("to float", "a number"), ("Non-boolean",
+                                                                              "true or false")):
+    if words in line:
+      return f"{line.split(': ')[0]}: give {kind}"
+  return line
 
 
 def run(main: Callable[[list[str]], None], module: str) -> None:

@@ -393,3 +393,14 @@ def test_lm_prepare_on_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path):
       assert result.returncode == 0, result.stderr[-3000:]
       totals = json.loads(result.stdout)
       assert totals["train"]["skipped"] == 1 and totals["train"]["documents"] == 1200
+
+
+def test_lm_prepare_into_an_output_that_is_a_file_names_it(tmp_path):
+  (tmp_path / "in.txt").write_text("a document")
+  (tmp_path / "out").write_text("notes")
+  result = subprocess.run([
+      sys.executable, "-m", "launch.prepare", f"--train={tmp_path}/in.txt", f"--validation={tmp_path}/in.txt",
+      f"--output={tmp_path}/out", "--workers=1"
+  ], capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr == f"lm-prepare: --output={tmp_path}/out is a file; give a directory (it is created if missing)\n"

@@ -287,3 +287,24 @@ def test_compare_writes_into_a_directory_that_does_not_exist(tmp_path):
   out = tmp_path / "new" / "plots" / "cmp.png"
   compare.compare([str(tmp_path / "a")], str(out), str(tmp_path / "tables" / "t.md"))
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "tables" / "t.md").exists()
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("eval.evaluate", [], "lm-eval: no checkpoint in {w}/checkpoints: {w} is a file; --workdir must "
+     "name the directory that lm-train --workdir wrote"),
+    ("eval.sample", ["--prompt=hi"], "lm-sample: no checkpoint in {w}/checkpoints: {w} is a file; "
+     "--workdir must name the directory that lm-train --workdir wrote"),
+    ("eval.latent", [], "lm-latent: no checkpoint in {w}/checkpoints: {w} is a file; --workdir must "
+     "name the directory that lm-train --workdir wrote"),
+    ("eval.compare", ["--out={tmp}/c.png"], "lm-compare: {w} is a file, not a training workdir; give the "
+     "directory that lm-train --workdir wrote"),
+])
+def test_a_workdir_that_is_a_file_is_named_by_the_reading_tools(tmp_path, module, args, message):
+  """A careless `--workdir=notes.txt` (or lm-compare notes.txt): one line saying it is a file."""
+  workdir = tmp_path / "notes.txt"
+  workdir.write_text("not a run")
+  flag = [str(workdir)] if module == "eval.compare" else [f"--workdir={workdir}"]
+  result = subprocess.run([sys.executable, "-m", module, *flag, *(a.format(tmp=tmp_path) for a in args)],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr == message.format(w=workdir) + "\n"

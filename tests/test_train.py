@@ -147,17 +147,40 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
     train.train_and_evaluate(tiny.get_config(), str(tmp_path / "run"))
 
 
-@pytest.mark.parametrize("args, message",
-                         [(["--config=configs/nope.py"
-                           ], "cannot load --config: [Errno 2] No such file or directory: 'configs/nope.py'"),
-                          (["--config=configs/tiny.py", "--config.train.stpes=3"
-                           ], "no config field 'stpes' (from a --config.* override); "
-                           "Did you mean \"steps\" instead of \"stpes\"?")])
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--config=configs/nope.py"
+      ], "cannot load --config: [Errno 2] No such file or directory: 'configs/nope.py'"),
+     (["--config=configs/tiny.py", "--config.train.stpes=3"
+      ], "no config field 'stpes' (from a --config.* override); "
+      "Did you mean \"steps\" instead of \"stpes\"?"),
+     (["--config=configs/tiny.py", "--config.train.steps=abc"], "--config.train.steps=abc: give an integer"),
+     (["--config=configs/tiny.py", "--config.train.lr=fast"], "--config.train.lr=fast: give a number"),
+     (["--config=configs/tiny.py", "--config.checkpoint.use_async=maybe"
+      ], "--config.checkpoint.use_async=maybe: give true or false")])
 def test_config_mistakes_are_one_line(tmp_path, args, message):
   result = subprocess.run([sys.executable, "-m", "lm.train", f"--workdir={tmp_path}", *args],
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 1
   assert result.stderr == f"train.py: {message}\n"
+
+
+@pytest.mark.parametrize("code, error", [
+    ("def get_config(:\n", "line 1: SyntaxError: invalid syntax"),
+    ("def get_config():\n  raise ValueError('set DATA_DIR first')\n",
+     "line 2: ValueError: set DATA_DIR first"),
+    ("def get_config():\n  return stepz\n", "line 2: NameError: name 'stepz' is not defined"),
+    ("from configs import tiny\n\ndef get_config():\n  c = tiny.get_config()\n  c.trian.steps = 3\n",
+     "line 5: AttributeError: 'trian'; Did you mean \"train\" instead of \"trian\"?"),
+])
+def test_a_config_file_that_fails_to_run_is_one_line(tmp_path, code, error):
+  """Whatever get_config (or the file's syntax) raises: the file, its line and the error, not a traceback."""
+  config = tmp_path / "broken.py"
+  config.write_text(code)
+  result = subprocess.run([sys.executable, "-m", "lm.train", f"--workdir={tmp_path}", f"--config={config}"],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr == f"train.py: --config: {config}, {error}; correct the config file\n"
 
 
 def test_initialisation_leaves_the_choice_of_kernel_to_the_run():
