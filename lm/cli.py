@@ -43,20 +43,31 @@ def _parse_flags(argv: list[str]) -> list[str]:
     args = flags.FLAGS(argv)
     if "config" in flags.FLAGS and flags.FLAGS["config"].present:
       flags.FLAGS.config.keys()  # a file that failed to load raises here, on first use
-    return args
   except Exception as e:  # pylint: disable=broad-except
-    if raised := _raised_by_config_file(e):
-      raise SystemExit(f"{command}: --config: {raised}; correct the config file") from None
-    if isinstance(e, flags.Error):
-      raise SystemExit(f"{command}: {_wrong_value(str(e))}") from None
-    if isinstance(e, (AttributeError, KeyError)):  # a misspelt field: ml_collections says which it meant
-      field, _, hint = _message(e).partition("; ")
-      raise SystemExit(f"{command}: no config field {field} (from a --config.* override)" +
-                       (f"; {hint}" if hint else "")) from None
-    if isinstance(e, OSError):  # the config file: config_flags lists every path it tried, the cause last
-      raise SystemExit(
-          f"{command}: cannot load --config: {str(e).strip().splitlines()[-1].strip()}") from None
-    raise
+    _refuse(command, e)
+  for name in _DIRECTORIES:  # `--workdir=` would be the current directory: every file written there
+    if name in flags.FLAGS and flags.FLAGS[name].present and not flags.FLAGS[name].value:
+      raise SystemExit(f"{command}: --{name} is empty; give a directory")
+  return args
+
+
+# Flags that name the directory a command writes into.
+_DIRECTORIES = ("workdir", "root", "output")
+
+
+def _refuse(command: str, e: Exception) -> None:
+  """Stops the command with one line for a flag or config mistake; re-raises anything else."""
+  if raised := _raised_by_config_file(e):
+    raise SystemExit(f"{command}: --config: {raised}; correct the config file") from None
+  if isinstance(e, flags.Error):
+    raise SystemExit(f"{command}: {_wrong_value(str(e))}") from None
+  if isinstance(e, (AttributeError, KeyError)):  # a misspelt field: ml_collections says which it meant
+    field, _, hint = _message(e).partition("; ")
+    raise SystemExit(f"{command}: no config field {field} (from a --config.* override)" +
+                     (f"; {hint}" if hint else "")) from None
+  if isinstance(e, OSError):  # the config file: config_flags lists every path it tried, the cause last
+    raise SystemExit(f"{command}: cannot load --config: {str(e).strip().splitlines()[-1].strip()}") from None
+  raise e
 
 
 def _raised_by_config_file(e: Exception) -> str | None:

@@ -132,6 +132,15 @@ def test_counts_below_one_are_refused_by_name(field, value):
     Experiment(c)
 
 
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_a_learning_rate_not_above_zero_is_refused(value):
+  """A negative rate used to train, climbing the loss to 1e11; a rate of 0 trained nothing."""
+  c = tiny.get_config()
+  c.train.lr = value
+  with pytest.raises(ValueError, match=rf"^train.lr={value} must be above 0; set --config.train.lr=X$"):
+    Experiment(c)
+
+
 def test_a_microbatch_split_that_does_not_fit_names_the_batch_size():
   c = tiny.get_config()
   c.train.update(batch_size=32, microbatches=3)
@@ -163,6 +172,15 @@ def test_config_mistakes_are_one_line(tmp_path, args, message):
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 1
   assert result.stderr == f"train.py: {message}\n"
+
+
+def test_an_empty_workdir_is_refused_and_nothing_is_written(tmp_path):
+  """`--workdir=` (a variable that was not set) used to train into the current directory."""
+  config = os.path.abspath("configs/tiny.py")
+  result = subprocess.run([sys.executable, "-m", "lm.train", f"--config={config}", "--workdir="],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+  assert result.returncode == 1 and result.stderr == "train.py: --workdir is empty; give a directory\n"
+  assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("code, error", [
