@@ -36,6 +36,8 @@ def expand(patterns: str) -> list[epath.Path]:
     path = epath.Path(pattern)
     if any(c in path.name for c in "*?["):
       files += path.parent.glob(path.name)
+    elif path.is_dir():
+      raise ValueError(f"input {pattern} is a directory; give its files, e.g. {path}/*.json.gz")
     elif path.exists():
       files.append(path)
     else:

@@ -323,6 +323,8 @@ def test_a_listed_input_that_does_not_exist_is_an_error(tmp_path):
   (tmp_path / "a.txt").write_text("x")
   with pytest.raises(FileNotFoundError, match=r"input .*/b.txt does not exist"):
     prepare.expand(f"{tmp_path}/a.txt,{tmp_path}/b.txt")
+  with pytest.raises(ValueError, match=r"input .* is a directory; give its files, e.g. .*/\*.json.gz"):
+    prepare.expand(str(tmp_path))
   assert prepare.expand(f"{tmp_path}/*.txt,{tmp_path}/*.json") == [epath.Path(tmp_path / "a.txt")]
 
 
@@ -404,3 +406,19 @@ def test_lm_prepare_into_an_output_that_is_a_file_names_it(tmp_path):
   ], capture_output=True, text=True, timeout=120)
   assert result.returncode == 1
   assert result.stderr == f"lm-prepare: --output={tmp_path}/out is a file; give a directory (it is created if missing)\n"
+
+
+@pytest.mark.parametrize("train, extra, message", [
+    ("{d}/b.txt", [], "input {d}/b.txt does not exist"),
+    ("{d}", [], "input {d} is a directory; give its files, e.g. {d}/*.json.gz"),
+    ("{d}/a.txt", ["--workers=0"], "--workers=0: give 1 or more worker processes"),
+])
+def test_lm_prepare_input_mistakes_are_one_line(tmp_path, train, extra, message):
+  """From the command, not only the library: a listed input that does not exist was a traceback."""
+  (tmp_path / "a.txt").write_text("a document")
+  result = subprocess.run([
+      sys.executable, "-m", "launch.prepare", f"--train={train.format(d=tmp_path)}",
+      f"--validation={tmp_path}/a.txt", f"--output={tmp_path}/out", *extra
+  ], capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr == f"lm-prepare: {message.format(d=tmp_path)}\n"
