@@ -13,6 +13,8 @@ which sets up the rest:
   fails and libtpu prints an error-looking trace about worker hostnames, so there JAX is told to use
   the CPU; lm-compile loads libtpu's compiler itself (`jax.experimental.topologies`), which this does
   not touch. A JAX_PLATFORMS the user set is left as it is.
+- TensorStore's tracebacks of operations a failed orbax save or restore abandoned are not shown
+  (`_ignore_late_completions`): the command reports that failure in its own line.
 - A --config file that is missing or fails to run, a misspelt --config.* field or a value of the
   wrong type is one line, not a traceback.
 """
@@ -21,6 +23,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -117,4 +120,25 @@ def run(main: Callable[[list[str]], None], module: str) -> None:
       logging.set_verbosity(logging.WARNING)
     main(argv)
 
+  sys.unraisablehook = _ignore_late_completions
+  # A save that failed on one item (GCS refusing a write) leaves the other items' coroutines never
+  # run; Python warns of each at exit, below the line that reports the failure.
+  warnings.filterwarnings("ignore", r"coroutine '\w+\.async_save' was never awaited", RuntimeWarning)
   app.run(configured_main, flags_parser=_parse_flags)
+
+
+def _ignore_late_completions(unraisable) -> None:
+  """sys.unraisablehook: drops what TensorStore operations abandoned by a failed orbax save or
+  restore (a full disk, a damaged checkpoint) print when they end.
+
+  orbax runs its coroutines in an event loop of their own and closes it as soon as one operation
+  fails, while the others are still in flight; each of those, when it ends, hands its result to the
+  closed loop (`call_soon_threadsafe` from TensorStore's thread), which raises "Event loop is
+  closed", and TensorStore prints that as an unraisable traceback: dozens of them on a loaded host,
+  above the command's one line. Nothing awaits those results; the failure they belong to is
+  reported already. Everything else goes to Python's own hook."""
+  frames = traceback.extract_tb(unraisable.exc_traceback)
+  if not (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError) and
+          str(unraisable.exc_value) == "Event loop is closed" and
+          any(f.name == "call_soon_threadsafe" for f in frames)):
+    sys.__unraisablehook__(unraisable)

@@ -7,10 +7,7 @@ Resumes from the latest complete checkpoint in DIR; on SIGTERM finishes the step
 import logging
 import numbers
 import signal
-import sys
 import time
-import traceback
-import warnings
 
 import jax
 import ml_collections
@@ -277,22 +274,6 @@ def _silence_refused_writes(record: logging.LogRecord) -> bool:
   return not (record.exc_info and storage.write_refused(record.exc_info[1]))
 
 
-def _ignore_late_completions(unraisable) -> None:
-  """sys.unraisablehook: drops what a failed save's abandoned TensorStore writes print when they end.
-
-  orbax runs a save's coroutines in an event loop of their own and closes it as soon as one write
-  fails (a full disk), while the others are still in flight; each of those, when it ends, hands its
-  result to the closed loop (`call_soon_threadsafe` from TensorStore's thread), which raises
-  "Event loop is closed", and TensorStore prints that as an unraisable traceback: dozens of them on a
-  loaded host, above the one line of main(). Nothing awaits those results; the failure they belong to
-  is already reported. Everything else goes to Python's own hook."""
-  frames = traceback.extract_tb(unraisable.exc_traceback)
-  if not (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError) and
-          str(unraisable.exc_value) == "Event loop is closed" and
-          any(f.name == "call_soon_threadsafe" for f in frames)):
-    sys.__unraisablehook__(unraisable)
-
-
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
@@ -302,10 +283,6 @@ def main(argv):
   elif FLAGS.coordinator_address:
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   absl_logging.get_absl_handler().addFilter(_silence_refused_writes)
-  sys.unraisablehook = _ignore_late_completions
-  # A save that failed on one item (GCS refusing a write) leaves the other items' coroutines never
-  # run; Python warns of each at exit, below the line that reports the failure.
-  warnings.filterwarnings("ignore", r"coroutine '\w+\.async_save' was never awaited", RuntimeWarning)
   try:
     with ownership.hold(FLAGS.workdir, FLAGS.lease_seconds):
       train_and_evaluate(FLAGS.config, FLAGS.workdir)

@@ -425,28 +425,41 @@ def test_a_full_disk_at_the_start_of_a_resume_names_the_latest_checkpoint(small_
         r"the same command resumes from it\n", result.stderr), result.stderr
 
 
-# What a save that failed on a loaded host leaves behind (test below): TensorStore writes whose
-# awaiting event loop orbax closed, ending afterwards. Here one such write ends with step 3's log.
-LATE_WRITE = """
+# What a save or restore that failed on a loaded host leaves behind (tests below): TensorStore
+# operations whose awaiting event loop orbax closed, ending afterwards.
+ABANDONED = """
 import asyncio
 import tensorstore as ts
-from data_pipelines import storage
 
-def _abandoned() -> ts.Promise:
+def _end_an_abandoned_operation() -> None:
   promise, future = ts.Promise.new()
   async def await_it():
     future.__await__()  # registers the loop to hand the result to, as `await` does
   loop = asyncio.new_event_loop()
   loop.run_until_complete(await_it())
   loop.close()
-  return promise
+  promise.set_result(None)
+"""
+# In lm-train: one ends with step 3's log.
+LATE_WRITE = ABANDONED + """
+from data_pipelines import storage
 
 def _write(path, data, write=storage.write_bytes):
   if b'"step": 3,' in data:
-    _abandoned().set_result(None)
+    _end_an_abandoned_operation()
   write(path, data)
 
 storage.write_bytes = _write
+"""
+# In lm-eval (imported by every process, as sitecustomize): one ends as the checkpoint is looked for.
+LATE_READ = ABANDONED + """
+from lm import checkpointing
+
+def _saved_config(*args, read=checkpointing.saved_config):
+  _end_an_abandoned_operation()
+  return read(*args)
+
+checkpointing.saved_config = _saved_config
 """
 
 
@@ -461,3 +474,13 @@ def test_writes_of_a_failed_save_that_end_late_print_nothing(small_corpus, tmp_p
       capture_output=True, text=True, env=env, timeout=300)
   assert result.returncode == 0 and "step 4/4" in result.stdout, result.stderr[-3000:]
   assert result.stderr == "", result.stderr[-3000:]
+
+
+def test_reads_of_a_failed_restore_that_end_late_print_nothing(tmp_path):
+  """The same for the reading tools: lm-eval on a damaged checkpoint printed them too."""
+  (tmp_path / "sitecustomize.py").write_text(LATE_READ)
+  env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+  result = subprocess.run([sys.executable, "-m", "eval.evaluate", f"--workdir={tmp_path}"],
+                          capture_output=True, text=True, env=env, timeout=300)
+  assert result.returncode == 1 and result.stderr.startswith(f"lm-eval: no checkpoint in {tmp_path}")
+  assert result.stderr.count("\n") == 1, result.stderr[-3000:]
