@@ -4,6 +4,7 @@ resumed, multi-seed and unevaluated runs."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -308,3 +309,19 @@ def test_a_workdir_that_is_a_file_is_named_by_the_reading_tools(tmp_path, module
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 1
   assert result.stderr == message.format(w=workdir) + "\n"
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_step_and_the_fix(trained, tmp_path):
+  """lm-eval (lm-sample and lm-latent read it the same way) printed TensorStore's whole error."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  for f in (workdir / "checkpoints" / "6" / "state").rglob("*"):
+    if f.is_file() and f.parent.name == "d":
+      f.write_bytes(f.read_bytes()[:10])
+  result = subprocess.run([sys.executable, "-m", "eval.evaluate", f"--workdir={workdir}"],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+  assert re.fullmatch(
+      rf"lm-eval: the checkpoint at step 6 \({workdir}/checkpoints/6\) cannot be read: .{{10,300}}; "
+      r"lm-train with --config.checkpoint.skip_damaged=true sets damaged steps aside and resumes from "
+      r"the newest intact one\n", result.stderr), result.stderr
