@@ -221,7 +221,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if not stop:
       final = run_eval(steps, exp.eval_sets(final=True))
   except BaseException as e:
-    e.add_note(_close_after_failure(ckpt, writer, workdir))  # main() puts it in its one line
+    e.add_note(_close_after_failure(ckpt, writer, workdir, e))  # main() puts it in its one line
     raise
   finally:
     requests.restore()
@@ -245,17 +245,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return final
 
 
-def _close_after_failure(ckpt: checkpointing.Checkpointer, writer: metrics.Writer,
-                         workdir: epath.Path) -> str:
+def _close_after_failure(ckpt: checkpointing.Checkpointer, writer: metrics.Writer, workdir: epath.Path,
+                         failure: BaseException) -> str:
   """Finishes the save in flight (so the checkpoint named here exists) or discards what it left, and
   the log; returns what was saved and where a rerun of the same command resumes."""
   failed = []
+  cause = (storage.write_refused(failure) or "").split(":")[0]
   closes = {"the checkpoint being saved": ckpt.close, "the run log's last records": writer.close}
   for what, close in closes.items():
     try:
       close()
     except Exception as e:  # the storage that failed the run may fail these too (orbax keeps no part)
-      failed.append(f"{what} could not be written ({storage.write_refused(e) or str(e).splitlines()[0]})")
+      refused = storage.write_refused(e)
+      if refused and refused.split(":")[0] == cause:  # the line names that cause and its fix already
+        failed.append(f"{what} could not be written either")
+      else:
+        failed.append(f"{what} could not be written ({refused or str(e).splitlines()[0]})")
   ckpt.discard_unfinished()
   return "; ".join(failed + [_saved(workdir)])
 

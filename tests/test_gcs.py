@@ -119,6 +119,7 @@ def test_a_bucket_that_refuses_writes_is_one_line(small_corpus, gcs, gs_dir, tmp
       rf"lm-train: permission denied by GCS \(HTTP 403\): cannot write gs://{re.escape(prefix)}\S*; give "
       r"the account this job runs as write access to the bucket \(e\.g\. roles/storage\.objectUser\), or "
       r"use a bucket it can write; (?:.*; )?no checkpoint was saved", lines[0]), result.stderr[-3000:]
+  assert lines[0].count("HTTP 403") == 1, "the cause and its fix are said once"
 
 
 def test_rate_and_quota_refusals_name_the_object_and_the_fix(gcs, gs_dir):
