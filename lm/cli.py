@@ -74,8 +74,8 @@ def _refuse(command: str, e: Exception) -> None:
 
 
 def _raised_by_config_file(e: Exception) -> str | None:
-  """'FILE, line N: Error: message' when the config file's code failed: its syntax, or get_config
-  (or a module it imports) raising. config_flags passes these on as they are, except TypeError and
+  """'FILE, line N: Error: message' when the config file's code failed: its syntax, its import, or
+  get_config (or a module it imports) raising. config_flags passes these on as they are, except TypeError and
   ValueError, whose traceback it puts into the text of absl's error."""
   if isinstance(e, SyntaxError):
     return f"{e.filename}, line {e.lineno}: SyntaxError: {e.msg}"
@@ -83,11 +83,14 @@ def _raised_by_config_file(e: Exception) -> str | None:
     frames = re.findall(r'File "([^"]+)", line (\d+)', str(e))
     return f"{frames[-1][0]}, line {frames[-1][1]}: {str(e).strip().splitlines()[-1].strip()}"
   frames = traceback.extract_tb(e.__traceback__)
-  names = [frame.name for frame in frames]
-  if "get_config" not in names:
+  loader = [i for i, f in enumerate(frames) if f.filename.endswith("config_flags.py")]
+  # The config's own line that failed (at import or in get_config): the last frame below the loader
+  # that is neither a library's (site-packages) nor the import machinery's.
+  ours = [
+      f for f in frames[loader[-1] + 1:] if not ("site-packages" in f.filename or "<frozen" in f.filename)
+  ] if loader else []
+  if not ours:
     return None
-  # The config's own line that failed (the last frame of ours), not ml_collections' (site-packages).
-  ours = [f for f in frames[names.index("get_config"):] if "site-packages" not in f.filename]
   return f"{ours[-1].filename}, line {ours[-1].lineno}: {type(e).__name__}: {_message(e)}"
 
 

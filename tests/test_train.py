@@ -188,6 +188,7 @@ def test_an_empty_workdir_is_refused_and_nothing_is_written(tmp_path):
     ("def get_config():\n  raise ValueError('set DATA_DIR first')\n",
      "line 2: ValueError: set DATA_DIR first"),
     ("def get_config():\n  return stepz\n", "line 2: NameError: name 'stepz' is not defined"),
+    ("import nosuchmodule\n", "line 1: ModuleNotFoundError: No module named 'nosuchmodule'"),
     ("from configs import tiny\n\ndef get_config():\n  c = tiny.get_config()\n  c.trian.steps = 3\n",
      "line 5: AttributeError: 'trian'; Did you mean \"train\" instead of \"trian\"?"),
 ])
