@@ -92,7 +92,8 @@ _REFUSALS = {
 # What GCS answers when it refuses a request, and what to do about it.
 _GCS_REFUSALS = {
     403: ("permission denied by GCS (HTTP 403)", "give the account this job runs as write access to "
-          "the bucket (e.g. roles/storage.objectUser), or use a bucket it can write"),
+          "the bucket (e.g. roles/storage.objectUser, and on a VM a read-write storage scope), or use "
+          "a bucket it can write"),
     429: ("too many requests to GCS (HTTP 429: a rate limit or quota was exceeded)",
           "wait a few minutes and run the command again, or raise the project's quota; GCS takes about "
           "one write per second to one object"),

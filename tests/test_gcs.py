@@ -117,8 +117,9 @@ def test_a_bucket_that_refuses_writes_is_one_line(small_corpus, gcs, gs_dir, tmp
   assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
   assert re.fullmatch(
       rf"lm-train: permission denied by GCS \(HTTP 403\): cannot write gs://{re.escape(prefix)}\S*; give "
-      r"the account this job runs as write access to the bucket \(e\.g\. roles/storage\.objectUser\), or "
-      r"use a bucket it can write; (?:.*; )?no checkpoint was saved", lines[0]), result.stderr[-3000:]
+      r"the account this job runs as write access to the bucket \(e\.g\. roles/storage\.objectUser, and on "
+      r"a VM a read-write storage scope\), or use a bucket it can write; (?:.*; )?no checkpoint was saved",
+      lines[0]), result.stderr[-3000:]
   assert lines[0].count("HTTP 403") == 1, "the cause and its fix are said once"
 
 
