@@ -34,7 +34,10 @@ def written_whole(path: str | os.PathLike) -> Iterator[str]:
   """
   path = epath.Path(path)
   if not is_remote(path):
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+      path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as e:  # a file stands where one of the path's directories must be
+      raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), os.fspath(path)) from e
     tmp = _partial(path)
     try:
       yield os.fspath(tmp)
@@ -87,6 +90,8 @@ _REFUSALS = {
     errno.EDQUOT: ("Disk quota exceeded", "free space or raise the quota"),
     errno.EROFS: ("Read-only file system", "remount it read-write"),
     errno.EACCES: ("Permission denied", "make it writable by this user"),
+    errno.ENOTDIR: ("Not a directory", "a file stands where its path needs a directory: move the file "
+                    "or choose another path"),
 }
 
 # What GCS answers when it refuses a request, and what to do about it.

@@ -290,6 +290,21 @@ def test_compare_writes_into_a_directory_that_does_not_exist(tmp_path):
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "tables" / "t.md").exists()
 
 
+def test_compare_out_below_a_file_is_one_line(tmp_path):
+  """`--out=notes.txt/cmp.png`: the directory it needs is a file ('File exists' was all it said)."""
+  write_run(tmp_path / "a", "softmax", {10: 40.0})
+  (tmp_path / "notes.txt").write_text("a file")
+  result = subprocess.run(
+      [sys.executable, "-m", "eval.compare",
+       str(tmp_path / "a"), f"--out={tmp_path}/notes.txt/cmp.png"], capture_output=True, text=True,
+      timeout=120)
+  assert result.returncode == 1
+  assert re.fullmatch(
+      rf"lm-compare: not a directory: cannot write {tmp_path}/notes.txt/cmp.png \(on the file system "
+      r"mounted at \S+, [\d.]+ MB free\); a file stands where its path needs a directory: move the file "
+      r"or choose another path\n", result.stderr), result.stderr
+
+
 @pytest.mark.parametrize("module, args, message", [
     ("eval.evaluate", [], "lm-eval: no checkpoint in {w}/checkpoints: {w} is a file; --workdir must "
      "name the directory that lm-train --workdir wrote"),
