@@ -279,6 +279,15 @@ def _silence_refused_writes(record: logging.LogRecord) -> bool:
   return not (record.exc_info and storage.write_refused(record.exc_info[1]))
 
 
+def _out_of_memory(e: BaseException) -> str | None:
+  """One line for the devices running out of memory (XLA's RESOURCE_EXHAUSTED), naming the knobs."""
+  if not (isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)):
+    return None
+  return (f"out of device memory ({str(e).splitlines()[0][:200]}); raise train.microbatches, lower "
+          f"train.batch_size or data.seq_len, use a smaller model or set model.remat (lm-compile "
+          f"--topology=... prints the memory a chip needs before a run)")
+
+
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
@@ -293,7 +302,8 @@ def main(argv):
       train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except Exception as e:  # pylint: disable=broad-except
     # A full disk: orbax raises it as whatever it caught. A workdir refused at the start is named already.
-    refused = None if isinstance(e, ownership.WorkdirError) else storage.write_refused(e)
+    refused = None if isinstance(e, ownership.WorkdirError) else (storage.write_refused(e) or
+                                                                  _out_of_memory(e))
     if not refused and not isinstance(e, (ValueError, OSError, FloatingPointError, ownership.WorkdirError)):
       raise
     # The last note is what _close_after_failure saw saved (grain adds notes of its own before it).

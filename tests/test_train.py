@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from small import small_config
@@ -132,13 +134,26 @@ def test_counts_below_one_are_refused_by_name(field, value):
     Experiment(c)
 
 
-@pytest.mark.parametrize("value", [0.0, -1.0])
-def test_a_learning_rate_not_above_zero_is_refused(value):
-  """A negative rate used to train, climbing the loss to 1e11; a rate of 0 trained nothing."""
+@pytest.mark.parametrize("field, value", [("train.lr", 0.0), ("train.lr", -1.0), ("train.warmup_steps", -3)])
+def test_rates_and_warmup_out_of_range_are_refused(field, value):
+  """A negative rate used to train, climbing the loss to 1e11; a rate of 0 trained nothing; a negative
+  warmup was taken without a word."""
   c = tiny.get_config()
-  c.train.lr = value
-  with pytest.raises(ValueError, match=rf"^train.lr={value} must be above 0; set --config.train.lr=X$"):
+  section, name = field.split(".")
+  c[section][name] = value
+  bound = "above 0; set --config.train.lr=X" if name == "lr" else "0 or more; set --config.train.warmup_steps=N"
+  with pytest.raises(ValueError, match=rf"^{field}={value} must be {re.escape(bound)}$"):
     Experiment(c)
+
+
+def test_running_out_of_device_memory_names_the_knobs():
+  """What XLA raises when an array does not fit (lm-train's line; it was a 46-line traceback)."""
+  with pytest.raises(jax.errors.JaxRuntimeError) as e:
+    jnp.zeros((10**12,), jnp.float32).block_until_ready()  # 4 TB
+  assert re.fullmatch(
+      r"out of device memory \(RESOURCE_EXHAUSTED: Out of memory allocating \d+ bytes\.\); raise "
+      r"train\.microbatches, lower train\.batch_size or data\.seq_len, .*", train._out_of_memory(e.value))
+  assert train._out_of_memory(ValueError("RESOURCE_EXHAUSTED")) is None
 
 
 def test_a_microbatch_split_that_does_not_fit_names_the_batch_size():
