@@ -36,6 +36,8 @@ def expand(patterns: str) -> list[epath.Path]:
     path = epath.Path(pattern)
     if any(c in path.name for c in "*?["):
       files += path.parent.glob(path.name)
+    elif path.is_dir():
+      raise ValueError(f"input {pattern} is a directory; give its files, e.g. {path}/*.json.gz")
     elif path.exists():
       files.append(path)
     else:
@@ -173,14 +175,21 @@ def prepare(splits: dict[str, list[epath.Path]], output: epath.Path, *, tokenize
       } for s, f in splits.items()
   }
   work = functools.partial(convert, tokenizer=tokenizer if pretokenize else "")
-  with multiprocessing.get_context("spawn").Pool(workers) as pool:
-    bar = tqdm.tqdm(pool.imap_unordered(work, jobs), total=len(jobs), unit="file", disable=not progress)
-    for done in bar:
-      if not done["documents"]:
-        bar.write(f"warning: {done['source']} holds no documents")
-      t = totals[done["split"]]
-      t["skipped"] += done["skipped"]
-      for k in ("documents", "bytes", "tokens"):
-        t[k] += done[k]
-      bar.set_postfix(documents=sum(t["documents"] for t in totals.values()))
+  try:
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+      bar = tqdm.tqdm(pool.imap_unordered(work, jobs), total=len(jobs), unit="file", disable=not progress)
+      for done in bar:
+        if not done["documents"]:
+          bar.write(f"warning: {done['source']} holds no documents")
+        t = totals[done["split"]]
+        t["skipped"] += done["skipped"]
+        for k in ("documents", "bytes", "tokens"):
+          t[k] += done[k]
+        bar.set_postfix(documents=sum(t["documents"] for t in totals.values()))
+  except BaseException:
+    # The pool stopped its workers mid-shard: their partial files go (on a full disk, that space is
+    # the user's); finished shards stay, and a rerun redoes the rest.
+    for _, shard, _ in jobs:
+      storage.discard_partial(shard)
+    raise
   return totals

@@ -6,7 +6,10 @@ in a pre-tokenized directory (one with TOKENIZED_BY), a document's token ids as 
 Shards that `lm-prepare` wrote have a stats file (documents, UTF-8 bytes, tokens) under `stats/`.
 """
 
+import bisect
+import concurrent.futures
 import dataclasses
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -100,15 +103,34 @@ def open_split(data_dir: str | os.PathLike, split: str) -> Documents:
   return Documents(source, TOKENS, sum(json.loads(s.read_text())["bytes"] for s in stats))
 
 
+@dataclasses.dataclass(frozen=True)
+class _WholeShard:
+  """All records of one shard, as array_record's public FileInstruction protocol describes them."""
+  filename: str
+  skip: int
+  take: int
+  examples_in_shard: int
+
+
 class Shards(grain.sources.ArrayRecordDataSource):
   """grain's ArrayRecord source, whose read errors (a shard damaged after its index) name the shard
-  and the fix; array_record's own name no file. They reach the training loop from grain's threads."""
+  and the fix; array_record's own name no file. They reach the training loop from grain's threads.
+
+  array_record has no public way to find the shard of a record key, so the shards' record counts
+  are taken here (in parallel, as array_record would) and handed to it as FileInstructions, which
+  it then does not count again; `ends` maps a key to its shard."""
+
+  def __init__(self, paths: Sequence[str]):
+    with concurrent.futures.ThreadPoolExecutor(min(len(paths), 64)) as pool:
+      counts = list(pool.map(_num_records, paths))
+    super().__init__([_WholeShard(p, 0, n, n) for p, n in zip(paths, counts)])
+    self.ends = list(itertools.accumulate(counts))
 
   def __getitem__(self, key):
     try:
       return super().__getitem__(key)
     except RuntimeError as e:
-      path = self.paths[self._reader_idx_and_position(key)[0]]  # pylint: disable=protected-access
+      path = self.paths[bisect.bisect_right(self.ends, key.__index__())]
       raise ValueError(_unreadable(path, str(e).splitlines()[0])) from e
 
   def __getitems__(self, keys):
@@ -122,12 +144,17 @@ def _damaged(paths: list[str]) -> str | None:
   """Names the first shard that does not open as an ArrayRecord file, with the fix."""
   for path in paths:
     try:
-      reader = array_record_module.ArrayRecordReader(path)
-      reader.num_records()
-      reader.close()  # a truncated file (its index is at the end) fails here, without a reason
+      _num_records(path)
     except Exception as e:  # pylint: disable=broad-except
       return _unreadable(path, str(e).splitlines()[0] if str(e) else "truncated")
   return None
+
+
+def _num_records(path: str) -> int:
+  reader = array_record_module.ArrayRecordReader(path)
+  n = reader.num_records()
+  reader.close()  # a truncated file (its index is at the end) fails here, without a reason
+  return n
 
 
 def _unreadable(path: str, reason: str) -> str:

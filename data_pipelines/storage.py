@@ -13,6 +13,7 @@ import pathlib
 import re
 import shutil
 import tempfile
+import urllib.parse
 from collections.abc import Iterator
 
 from etils import epath
@@ -33,12 +34,19 @@ def written_whole(path: str | os.PathLike) -> Iterator[str]:
   """
   path = epath.Path(path)
   if not is_remote(path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp"
+    try:
+      path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as e:  # a file stands where one of the path's directories must be
+      raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), os.fspath(path)) from e
+    tmp = _partial(path)
     try:
       yield os.fspath(tmp)
-    except BaseException:
+    except BaseException as e:
       tmp.unlink(missing_ok=True)
+      # A failed write() names no file, ArrayRecord's writer says it in words only: name both here.
+      code = e.errno if isinstance(e, OSError) and e.filename is None else _refused_errno(e)
+      if code:
+        raise OSError(code, os.strerror(code), os.fspath(path)) from e
       raise
     os.replace(tmp, path)
     return
@@ -46,14 +54,25 @@ def written_whole(path: str | os.PathLike) -> Iterator[str]:
     local = os.path.join(tmp_dir, path.name)
     yield local
     # A streamed upload (gcsfs: resumable) becomes visible only when the file is closed.
-    with open(local, "rb") as src, path.open("wb") as dst:
+    with naming(path), open(local, "rb") as src, path.open("wb") as dst:
       shutil.copyfileobj(src, dst, 16 << 20)
+
+
+def _partial(path: epath.Path) -> epath.Path:
+  return path.parent / f".{path.name}.tmp"
+
+
+def discard_partial(path: str | os.PathLike) -> None:
+  """Deletes what a `written_whole(path)` of a process that was killed mid-write left."""
+  if not is_remote(path):
+    _partial(epath.Path(path)).unlink(missing_ok=True)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
   """Replaces `path` with `data` in one step: readers see the old content or the new, never a mix."""
   if is_remote(path):
-    epath.Path(path).write_bytes(data)  # one upload: atomic
+    with naming(path):
+      epath.Path(path).write_bytes(data)  # one upload: atomic
     return
   with written_whole(path) as local:
     pathlib.Path(local).write_bytes(data)
@@ -71,16 +90,86 @@ _REFUSALS = {
     errno.EDQUOT: ("Disk quota exceeded", "free space or raise the quota"),
     errno.EROFS: ("Read-only file system", "remount it read-write"),
     errno.EACCES: ("Permission denied", "make it writable by this user"),
+    errno.ENOTDIR: ("Not a directory", "a file stands where its path needs a directory: move the file "
+                    "or choose another path"),
 }
+
+# What GCS answers when it refuses a request, and what to do about it.
+_GCS_REFUSALS = {
+    403: ("permission denied by GCS (HTTP 403)", "give the account this job runs as write access to "
+          "the bucket (e.g. roles/storage.objectUser, and on a VM a read-write storage scope), or use "
+          "a bucket it can write"),
+    429: ("too many requests to GCS (HTTP 429: a rate limit or quota was exceeded)",
+          "wait a few minutes and run the command again, or raise the project's quota; GCS takes about "
+          "one write per second to one object"),
+}
+
+
+class RefusedError(OSError):
+  """GCS refused a request for `filename` with HTTP `status` (for the clients that do not say which
+  object it was)."""
+
+  def __init__(self, status: int, message: str, filename: str):
+    super().__init__(f"HTTP {status}: {message}")
+    self.status, self.filename = status, filename
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+  """A GCS refusal raised in the block names `path` (gcsfs's HTTP 429 and google-cloud-storage's
+  errors do not name the object)."""
+  try:
+    yield
+  except Exception as e:
+    if isinstance(e, RefusedError) or not (status := _gcs_status(e)):
+      raise
+    raise RefusedError(status, str(e).splitlines()[0], os.fspath(path)) from e
+
+
+def _gcs_status(e: BaseException) -> int | None:
+  """403 or 429 if e is GCS refusing a request, as each client says it: google-cloud-storage and
+  gcsfs carry the HTTP code (gcsfs's 403 is an OSError 'Forbidden: URL'); TensorStore gives a status
+  name, or, after retrying a 429, GCS's own words."""
+  if getattr(e, "code", None) in _GCS_REFUSALS:
+    return e.code
+  if isinstance(e, RefusedError):
+    return e.status
+  text = str(e)
+  if text.startswith("Forbidden: ") or text.startswith("PERMISSION_DENIED: "):
+    return 403
+  if "gs://" in text and re.search(r"RESOURCE_EXHAUSTED|rate limit|quota exceeded", text, re.IGNORECASE):
+    return 429
+  return None
+
+
+def _gcs_object(text: str) -> str | None:
+  """The gs:// object an error names: TensorStore writes the path, gcsfs the request's URL."""
+  if path := re.search(r"gs://[^\s:'\"]+", text):
+    return path[0]
+  url = re.search(r"/b/([^/?\s]+)/o(?:/([^?\s]+))?(?:\?\S*?\bname=([^&\s]+))?", text)
+  if url and (url[2] or url[3]):
+    return f"gs://{url[1]}/{urllib.parse.unquote(url[2] or url[3])}"
+  return None
+
+
+def _refused_errno(e: BaseException) -> int | None:
+  """The errno of _REFUSALS that e is, or names in its text."""
+  if isinstance(e, OSError) and e.errno in _REFUSALS:
+    return e.errno
+  return next((code for code, (words, _) in _REFUSALS.items() if words in str(e)), None)
 
 
 def write_refused(e: BaseException) -> str | None:
   """When e, or an exception it came from, is storage refusing a write (full disk, quota,
-  read-only file system, permission): one line naming the cause, the file, the file system it is on
-  (with its free space) and the fix; else None."""
+  read-only file system, permission; on GCS permission, rate and quota): one line naming the cause,
+  the file, the file system it is on (with its free space) and the fix; else None."""
   seen = set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
+    if status := _gcs_status(e):
+      words, fix = _GCS_REFUSALS[status]
+      path = e.filename if isinstance(e, RefusedError) else _gcs_object(str(e))
+      return f"{words}{f': cannot write {path}' if path else ''}; {fix}"
     quoted = re.findall(r'"(/[^"]+)"', str(e))  # TensorStore quotes the file it failed to write
     for code, (words, fix) in _REFUSALS.items():
       if (isinstance(e, OSError) and e.errno == code) or (words in str(e) and quoted):

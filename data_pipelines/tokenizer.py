@@ -54,6 +54,9 @@ class Tokenizer:
     if not path.exists():
       raise FileNotFoundError(f"tokenizer model {path} does not exist; set data.tokenizer to a "
                               f"SentencePiece .model file or prepare the data (see README, 'Data')")
+    if path.is_dir():
+      raise ValueError(f"tokenizer {path} is a directory; set data.tokenizer to a SentencePiece .model "
+                       f"file (lm-prepare --train_tokenizer=V writes DIR/spm_bpe_V.model)")
     self.path = path
     proto = path.read_bytes()
     self.sha256 = hashlib.sha256(proto).hexdigest()

@@ -216,6 +216,8 @@ def check_root(root: epath.Path, base: ml_collections.ConfigDict, axes: list[str
     if saved["axes"] != axes:
       raise GridError(f"{root} holds a grid over {', '.join(saved['axes']) or 'presets and seeds only'}; "
                       f"give --grid for exactly those fields (any values), or use a new --root")
+  elif root.exists() and not root.is_dir():
+    raise GridError(f"--root={root} is a file; give a directory (it is created if missing)")
   elif root.exists() and any(root.iterdir()):
     raise GridError(f"{root} is not empty and has no grid.json: it is not a grid's root; use a new or "
                     f"empty --root")

@@ -185,7 +185,7 @@ def main(argv):
   del argv
   try:
     result = analyse(flags.FLAGS.workdir, flags.FLAGS.step, flags.FLAGS.examples, flags.FLAGS.paper_examples)
-  except FileNotFoundError as e:
+  except (FileNotFoundError, checkpointing.DamagedCheckpointError) as e:
     raise SystemExit(f"lm-latent: {e}") from e
   print(json.dumps(result, indent=1))
 

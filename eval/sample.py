@@ -45,6 +45,10 @@ def main(argv):
     raise SystemExit("lm-sample: give exactly one of --prompt=TEXT and --prompt_file=FILE")
   try:
     prompt = FLAGS.prompt if FLAGS.prompt is not None else epath.Path(FLAGS.prompt_file).read_text()
+  except OSError as e:  # missing, a directory, unreadable
+    raise SystemExit(f"lm-sample: --prompt_file={FLAGS.prompt_file}: {e.strerror or e}; give a text "
+                     f"file") from e
+  try:
     sampling = decode.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
     texts = sample(FLAGS.workdir, prompt, step=FLAGS.step, max_new_tokens=FLAGS.max_new_tokens,
                    sampling=sampling, seed=FLAGS.seed, num_samples=FLAGS.num_samples)

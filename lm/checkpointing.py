@@ -140,9 +140,7 @@ class Checkpointer:
     try:
       return self.manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax and TensorStore raise many types, each with pages of detail
-      reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-      raise DamagedCheckpointError(f"the checkpoint at step {step} ({self.directory / str(step)}) "
-                                   f"cannot be read: {reason[:300]}") from e
+      raise DamagedCheckpointError(_unreadable(self.directory, step, e)) from e
 
   def set_aside(self, step: int) -> epath.Path:
     """Moves a damaged step out of orbax's sight (nothing is deleted); returns where it went."""
@@ -187,9 +185,18 @@ def load(
   Experiment; see `saved_config`)."""
   step, config = saved_config(workdir, step)
   manager = _reader(workdir)
-  state = manager.restore(step,
-                          args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
-  manager.close()
+  try:
+    state = manager.restore(step,
+                            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+  except Exception as e:  # as in Checkpointer._read
+    others = [s for s in manager.all_steps() if s != step]
+    raise DamagedCheckpointError(
+        f"{_unreadable(_directory(workdir), step, e)}; "
+        f"{f'read another step with --step=S, one of {others}; ' if others else ''}lm-train with "
+        f"--config.checkpoint.skip_damaged=true sets damaged steps aside and resumes from the newest "
+        f"intact one") from e
+  finally:
+    manager.close()
   return config, state.params if abstract_state is not None else state["params"]
 
 
@@ -197,9 +204,13 @@ def saved_config(workdir: str, step: int | None = None) -> tuple[int, ml_collect
   """The latest (or given) complete step in workdir and the config it was saved with."""
   manager = _reader(workdir)
   step = manager.latest_step() if step is None else step
-  if step is None or step not in manager.all_steps():
-    raise FileNotFoundError(f"no checkpoint{'' if step is None else f' at step {step}'} in "
-                            f"{workdir}/checkpoints; steps there: {list(manager.all_steps())}")
+  if step is None:
+    what = "a file" if epath.Path(workdir).is_file() else "not the workdir of a run that saved one"
+    raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints: {workdir} is {what}; --workdir "
+                            f"must name the directory that lm-train --workdir wrote")
+  if step not in manager.all_steps():
+    raise FileNotFoundError(f"no checkpoint at step {step} in {workdir}/checkpoints; steps there: "
+                            f"{list(manager.all_steps())}: choose one of them")
   config = ml_collections.ConfigDict(
       manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
   manager.close()
@@ -208,6 +219,11 @@ def saved_config(workdir: str, step: int | None = None) -> tuple[int, ml_collect
     if section in config and name not in config[section]:
       config[section][name] = value
   return step, config
+
+
+def _unreadable(directory: epath.Path, step: int, e: Exception) -> str:
+  reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+  return f"the checkpoint at step {step} ({directory / str(step)}) cannot be read: {reason[:300]}"
 
 
 def latest_step(workdir: str | epath.Path) -> int | None:

@@ -31,12 +31,23 @@ COUNTS = ("model.V", "model.D", "model.H", "model.L", "model.F", "data.seq_len",
           "train.batch_size", "train.microbatches", "train.log_every_steps", "eval.every_steps",
           "eval.batch_size", "checkpoint.every_steps")
 
+# Fields that must be above zero: a learning rate of 0 trains nothing, a negative one climbs the loss.
+POSITIVE = ("train.lr",)
+# Fields that must not be negative (optax takes a negative warmup without a word).
+NOT_NEGATIVE = ("train.warmup_steps",)
+
 
 def check_counts(config: ml_collections.ConfigDict) -> None:
-  for name in COUNTS:
+  for name in COUNTS + POSITIVE + NOT_NEGATIVE:
     section, field = name.split(".")
     value = config[section].get(field) if section in config else None
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is None:
+      continue
+    if name in POSITIVE and not value > 0:
+      raise ValueError(f"{name}={value!r} must be above 0; set --config.{name}=X")
+    if name in NOT_NEGATIVE and value < 0:
+      raise ValueError(f"{name}={value!r} must be 0 or more; set --config.{name}=N")
+    if name in COUNTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
       raise ValueError(f"{name}={value!r} counts something and must be a whole number of at least "
                        f"1; set --config.{name}=N")
 

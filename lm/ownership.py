@@ -105,8 +105,9 @@ class Lease:
     self.thread.start()
 
   def _write(self, generation: int) -> None:
-    self.blob.upload_from_string(json.dumps(self.record), content_type="application/json",
-                                 if_generation_match=generation)
+    with storage.naming(self.workdir / OWNER):
+      self.blob.upload_from_string(json.dumps(self.record), content_type="application/json",
+                                   if_generation_match=generation)
 
   def _take(self) -> None:
     for _ in range(3):  # the lease may change hands while we look at it

@@ -147,6 +147,9 @@ def read(workdir: str | epath.Path) -> list[dict[str, Any]]:
   checkpoint and the interruption appear twice, the later one current). A line that does not
   parse (an old single-file log cut by a crash) is skipped with a warning naming file and line."""
   files = log_files(workdir)
+  if not files and epath.Path(workdir).is_file():
+    raise ValueError(f"{workdir} is a file, not a training workdir; give the directory that "
+                     f"lm-train --workdir wrote")
   if not files:
     raise ValueError(f"{workdir} has no training log ({LOG_DIR}/*.jsonl): it is not a training "
                      f"workdir (lm-train --workdir={workdir} creates one)")

@@ -221,7 +221,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if not stop:
       final = run_eval(steps, exp.eval_sets(final=True))
   except BaseException as e:
-    e.add_note(_close_after_failure(ckpt, writer, workdir))  # main() puts it in its one line
+    e.add_note(_close_after_failure(ckpt, writer, workdir, e))  # main() puts it in its one line
     raise
   finally:
     requests.restore()
@@ -245,29 +245,47 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return final
 
 
-def _close_after_failure(ckpt: checkpointing.Checkpointer, writer: metrics.Writer,
-                         workdir: epath.Path) -> str:
+def _close_after_failure(ckpt: checkpointing.Checkpointer, writer: metrics.Writer, workdir: epath.Path,
+                         failure: BaseException) -> str:
   """Finishes the save in flight (so the checkpoint named here exists) or discards what it left, and
   the log; returns what was saved and where a rerun of the same command resumes."""
   failed = []
+  cause = (storage.write_refused(failure) or "").split(":")[0]
   closes = {"the checkpoint being saved": ckpt.close, "the run log's last records": writer.close}
   for what, close in closes.items():
     try:
       close()
     except Exception as e:  # the storage that failed the run may fail these too (orbax keeps no part)
-      failed.append(f"{what} could not be written ({storage.write_refused(e) or str(e).splitlines()[0]})")
+      refused = storage.write_refused(e)
+      if refused and refused.split(":")[0] == cause:  # the line names that cause and its fix already
+        failed.append(f"{what} could not be written either")
+      else:
+        failed.append(f"{what} could not be written ({refused or str(e).splitlines()[0]})")
   ckpt.discard_unfinished()
+  return "; ".join(failed + [_saved(workdir)])
+
+
+def _saved(workdir: str | epath.Path) -> str:
+  """The newest checkpoint on disk now, and that a rerun of the same command resumes from it."""
   latest = checkpointing.latest_step(workdir)
-  return "; ".join(failed + [
-      "no checkpoint was saved" if latest is
-      None else f"the latest checkpoint is at step {latest}; the same command resumes from it"
-  ])
+  if latest is None:
+    return "no checkpoint was saved"
+  return f"the latest checkpoint is at step {latest}; the same command resumes from it"
 
 
 def _silence_refused_writes(record: logging.LogRecord) -> bool:
   """orbax (and asyncio under it) logs a failed asynchronous save from each of its threads, with
   tracebacks: hundreds of lines that bury the cause, which main() reports in one line."""
   return not (record.exc_info and storage.write_refused(record.exc_info[1]))
+
+
+def _out_of_memory(e: BaseException) -> str | None:
+  """One line for the devices running out of memory (XLA's RESOURCE_EXHAUSTED), naming the knobs."""
+  if not (isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)):
+    return None
+  return (f"out of device memory ({str(e).splitlines()[0][:200]}); raise train.microbatches, lower "
+          f"train.batch_size or data.seq_len, use a smaller model or set model.remat (lm-compile "
+          f"--topology=... prints the memory a chip needs before a run)")
 
 
 def main(argv):
@@ -284,11 +302,16 @@ def main(argv):
       train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except Exception as e:  # pylint: disable=broad-except
     # A full disk: orbax raises it as whatever it caught. A workdir refused at the start is named already.
-    refused = None if isinstance(e, ownership.WorkdirError) else storage.write_refused(e)
+    refused = None if isinstance(e, ownership.WorkdirError) else (storage.write_refused(e) or
+                                                                  _out_of_memory(e))
     if not refused and not isinstance(e, (ValueError, OSError, FloatingPointError, ownership.WorkdirError)):
       raise
     # The last note is what _close_after_failure saw saved (grain adds notes of its own before it).
-    raise SystemExit("; ".join([f"lm-train: {refused or e}", *getattr(e, "__notes__", [])[-1:]])) from e
+    notes = getattr(e, "__notes__", [])[-1:]
+    saved = _saved(FLAGS.workdir) if refused else None
+    if saved and not (notes and notes[-1].endswith(saved)):
+      notes = [saved]  # refused before training (the lock, config.json): no note of _close_after_failure
+    raise SystemExit("; ".join([f"lm-train: {refused or e}", *notes])) from e
 
 
 def run():

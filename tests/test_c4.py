@@ -6,11 +6,13 @@ import gzip
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import filesystems
 import ml_collections
 import numpy as np
 import pytest
@@ -321,6 +323,8 @@ def test_a_listed_input_that_does_not_exist_is_an_error(tmp_path):
   (tmp_path / "a.txt").write_text("x")
   with pytest.raises(FileNotFoundError, match=r"input .*/b.txt does not exist"):
     prepare.expand(f"{tmp_path}/a.txt,{tmp_path}/b.txt")
+  with pytest.raises(ValueError, match=r"input .* is a directory; give its files, e.g. .*/\*.json.gz"):
+    prepare.expand(str(tmp_path))
   assert prepare.expand(f"{tmp_path}/*.txt,{tmp_path}/*.json") == [epath.Path(tmp_path / "a.txt")]
 
 
@@ -334,3 +338,87 @@ def test_an_empty_input_is_prepared_with_a_warning(tmp_path, capsys):
   totals = prepare.prepare(splits, epath.Path(tmp_path / "out"), progress=False)
   assert totals["train"]["documents"] == 1
   assert f"warning: {tmp_path}/empty.jsonl holds no documents" in capsys.readouterr().out
+
+
+# Where mounting a small file system is not permitted: ArrayRecord's writer fails on the second
+# train shard as it does on a full disk (every process imports sitecustomize, the pool's too).
+FULL_DISK_WITHOUT_A_MOUNT = """
+from data_pipelines import records
+
+class _Writer:
+  def __init__(self, path, options):
+    self.path = path
+  def write(self, record):
+    if "train.array_record-00001" in self.path:
+      raise ValueError("write() failed: No space left on device; writing " + self.path)
+  def close(self):
+    open(self.path, "wb").close()
+
+records.array_record_module = type("array_record_module", (), {"ArrayRecordWriter": _Writer})
+"""
+
+
+def test_lm_prepare_on_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path):
+  """A file system with room for one train shard of three: one line names the shard, the file
+  system and the fix; the finished shard is kept (the rerun, with room, skips it) and no partial
+  file is left."""
+  inputs, disk = tmp_path / "in", tmp_path / "disk"
+  inputs.mkdir()
+  rng = np.random.default_rng(0)
+  words = np.array("the quick brown fox jumps over a lazy dog while seven wise kings sing".split())
+  for name in ("train-0", "train-1", "train-2", "validation-0"):
+    lines = (json.dumps({"text": " ".join(rng.choice(words, 300))}) + "\n" for _ in range(400))
+    (inputs / f"{name}.json").write_text("".join(lines))
+  with filesystems.small(disk, "400k") as mounted:
+    out = disk / "data"
+    cmd = [
+        sys.executable, "-m", "launch.prepare", f"--train={inputs}/train-*.json",
+        f"--validation={inputs}/validation-0.json", f"--output={out}", "--workers=1"
+    ]
+    if not mounted:
+      (tmp_path / "sitecustomize.py").write_text(FULL_DISK_WITHOUT_A_MOUNT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.dirname(__file__)])}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    match = re.fullmatch(
+        rf"lm-prepare: no space left on device: cannot write ({re.escape(str(out))}/\S+) \(on the file "
+        r"system mounted at (\S+), [\d.]+ MB free\); free space on it; then run the same command "
+        r"again: it keeps the finished shards and redoes the rest",
+        result.stderr.splitlines()[-1])
+    assert match and (not mounted or match[2] == str(disk)), result.stderr[-3000:]
+    assert match[1] == str(out / "train.array_record-00001-of-00003")
+    assert [p.name for p in (out / "stats").iterdir()] == ["train.array_record-00000-of-00003.json"]
+    assert not list(out.glob(".*.tmp")), "a partial shard was left"
+    if mounted:
+      subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
+      result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+      assert result.returncode == 0, result.stderr[-3000:]
+      totals = json.loads(result.stdout)
+      assert totals["train"]["skipped"] == 1 and totals["train"]["documents"] == 1200
+
+
+def test_lm_prepare_into_an_output_that_is_a_file_names_it(tmp_path):
+  (tmp_path / "in.txt").write_text("a document")
+  (tmp_path / "out").write_text("notes")
+  result = subprocess.run([
+      sys.executable, "-m", "launch.prepare", f"--train={tmp_path}/in.txt", f"--validation={tmp_path}/in.txt",
+      f"--output={tmp_path}/out", "--workers=1"
+  ], capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr == f"lm-prepare: --output={tmp_path}/out is a file; give a directory (it is created if missing)\n"
+
+
+@pytest.mark.parametrize("train, extra, message", [
+    ("{d}/b.txt", [], "input {d}/b.txt does not exist"),
+    ("{d}", [], "input {d} is a directory; give its files, e.g. {d}/*.json.gz"),
+    ("{d}/a.txt", ["--workers=0"], "--workers=0: give 1 or more worker processes"),
+])
+def test_lm_prepare_input_mistakes_are_one_line(tmp_path, train, extra, message):
+  """From the command, not only the library: a listed input that does not exist was a traceback."""
+  (tmp_path / "a.txt").write_text("a document")
+  result = subprocess.run([
+      sys.executable, "-m", "launch.prepare", f"--train={train.format(d=tmp_path)}",
+      f"--validation={tmp_path}/a.txt", f"--output={tmp_path}/out", *extra
+  ], capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr == f"lm-prepare: {message.format(d=tmp_path)}\n"

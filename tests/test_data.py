@@ -157,6 +157,8 @@ def test_a_tokenizer_file_that_is_not_a_sentencepiece_model_is_named(tmp_path):
       ValueError, match=r"tokenizer .*vocab.txt is not a SentencePiece model; set "
       r"data.tokenizer to a SentencePiece .model file"):
     tokenizer.Tokenizer(tmp_path / "vocab.txt")
+  with pytest.raises(ValueError, match=r"tokenizer .* is a directory; set data.tokenizer to a SentencePiece"):
+    tokenizer.Tokenizer(tmp_path)
 
 
 @pytest.mark.parametrize("split, damage, reason", [("validation", "truncate", "truncated"),

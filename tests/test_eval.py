@@ -4,6 +4,7 @@ resumed, multi-seed and unevaluated runs."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -287,3 +288,55 @@ def test_compare_writes_into_a_directory_that_does_not_exist(tmp_path):
   out = tmp_path / "new" / "plots" / "cmp.png"
   compare.compare([str(tmp_path / "a")], str(out), str(tmp_path / "tables" / "t.md"))
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "tables" / "t.md").exists()
+
+
+def test_compare_out_below_a_file_is_one_line(tmp_path):
+  """`--out=notes.txt/cmp.png`: the directory it needs is a file ('File exists' was all it said)."""
+  write_run(tmp_path / "a", "softmax", {10: 40.0})
+  (tmp_path / "notes.txt").write_text("a file")
+  result = subprocess.run(
+      [sys.executable, "-m", "eval.compare",
+       str(tmp_path / "a"), f"--out={tmp_path}/notes.txt/cmp.png"], capture_output=True, text=True,
+      timeout=120)
+  assert result.returncode == 1
+  assert re.fullmatch(
+      rf"lm-compare: not a directory: cannot write {tmp_path}/notes.txt/cmp.png \(on the file system "
+      r"mounted at \S+, [\d.]+ MB free\); a file stands where its path needs a directory: move the file "
+      r"or choose another path\n", result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("eval.evaluate", [], "lm-eval: no checkpoint in {w}/checkpoints: {w} is a file; --workdir must "
+     "name the directory that lm-train --workdir wrote"),
+    ("eval.sample", ["--prompt=hi"], "lm-sample: no checkpoint in {w}/checkpoints: {w} is a file; "
+     "--workdir must name the directory that lm-train --workdir wrote"),
+    ("eval.latent", [], "lm-latent: no checkpoint in {w}/checkpoints: {w} is a file; --workdir must "
+     "name the directory that lm-train --workdir wrote"),
+    ("eval.compare", ["--out={tmp}/c.png"], "lm-compare: {w} is a file, not a training workdir; give the "
+     "directory that lm-train --workdir wrote"),
+])
+def test_a_workdir_that_is_a_file_is_named_by_the_reading_tools(tmp_path, module, args, message):
+  """A careless `--workdir=notes.txt` (or lm-compare notes.txt): one line saying it is a file."""
+  workdir = tmp_path / "notes.txt"
+  workdir.write_text("not a run")
+  flag = [str(workdir)] if module == "eval.compare" else [f"--workdir={workdir}"]
+  result = subprocess.run([sys.executable, "-m", module, *flag, *(a.format(tmp=tmp_path) for a in args)],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr == message.format(w=workdir) + "\n"
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_step_and_the_fix(trained, tmp_path):
+  """lm-eval (lm-sample and lm-latent read it the same way) printed TensorStore's whole error."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  for f in (workdir / "checkpoints" / "6" / "state").rglob("*"):
+    if f.is_file() and f.parent.name == "d":
+      f.write_bytes(f.read_bytes()[:10])
+  result = subprocess.run([sys.executable, "-m", "eval.evaluate", f"--workdir={workdir}"],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+  assert re.fullmatch(
+      rf"lm-eval: the checkpoint at step 6 \({workdir}/checkpoints/6\) cannot be read: .{{10,300}}; "
+      r"lm-train with --config.checkpoint.skip_damaged=true sets damaged steps aside and resumes from "
+      r"the newest intact one\n", result.stderr), result.stderr

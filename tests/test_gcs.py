@@ -6,11 +6,14 @@ test_checkpoint.py, two jobs on one gs:// workdir in test_ownership.py."""
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+from conftest import BUCKET
 from etils import epath
+from gcs_emulator import Refusals
 from small import tensorboard_events
 
 from data_pipelines import records
@@ -79,3 +82,83 @@ def test_prepare_from_a_bucket_then_train_evaluate_and_compare_there(gs_dir, tmp
   import gcsfs  # only now: gcsfs reads the emulator fixture's environment when imported
   leftovers = [p for p in gcsfs.GCSFileSystem().find(gs_dir) if ".tmp" in p]
   assert not leftovers, leftovers
+
+
+TRAIN_CONFIG = """
+from small import small_config
+
+def get_config():
+  c = small_config({corpus!r})
+  c.train.update(steps=6, log_every_steps=1)
+  c.checkpoint.every_steps = 5
+  return c
+"""
+
+
+@pytest.mark.parametrize("refused", ["owner.json", "config.json", "checkpoints"])
+def test_a_bucket_that_refuses_writes_is_one_line(small_corpus, gcs, gs_dir, tmp_path, refused):
+  """GCS refusing the job's writes (HTTP 403: its account may not write there) is one line naming
+  the object and the fix, whichever client wrote: google-cloud-storage (the workdir's lease), gcsfs
+  (config.json), TensorStore and gcsfs (a checkpoint)."""
+  prefix = f"{gs_dir.removeprefix('gs://')}/{refused}"
+  proxy = Refusals(gcs, prefix.split("/", 1)[1], 403)
+  config = tmp_path / "run_config.py"
+  config.write_text(TRAIN_CONFIG.format(corpus=str(small_corpus)))
+  try:
+    result = subprocess.run([sys.executable, "-m", "lm.train", f"--config={config}", f"--workdir={gs_dir}"],
+                            capture_output=True, text=True, timeout=300, env={
+                                **os.environ,
+                                **proxy.environment(), "PYTHONPATH": HERE
+                            })
+  finally:
+    proxy.close()
+  # TensorStore notes once that the emulator's clients run without credentials; a user has them.
+  lines = [line for line in result.stderr.splitlines() if "google_auth_provider" not in line]
+  assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
+  assert re.fullmatch(
+      rf"lm-train: permission denied by GCS \(HTTP 403\): cannot write gs://{re.escape(prefix)}\S*; give "
+      r"the account this job runs as write access to the bucket \(e\.g\. roles/storage\.objectUser, and on "
+      r"a VM a read-write storage scope\), or use a bucket it can write; (?:.*; )?no checkpoint was saved",
+      lines[0]), result.stderr[-3000:]
+  assert lines[0].count("HTTP 403") == 1, "the cause and its fix are said once"
+
+
+def test_rate_and_quota_refusals_name_the_object_and_the_fix(gcs, gs_dir):
+  """HTTP 429 (a rate limit or a quota exceeded) as each client reports it once its retries are
+  spent: google-cloud-storage and gcsfs without the object (storage.naming adds it), TensorStore in
+  its own words. Real answers through the refusing proxy; gcsfs's (six retries, half a minute) is
+  its exception as raised."""
+  import gcsfs.retry  # only now: gcsfs reads the emulator fixture's environment when imported
+  import tensorstore as ts
+  from google.cloud import storage as gcs_client
+
+  from data_pipelines import storage
+  key = gs_dir.removeprefix(f"gs://{BUCKET}/")
+  proxy = Refusals(gcs, key, 429)
+  refusals = {}
+  try:
+    with pytest.MonkeyPatch.context() as patch:
+      for name, value in proxy.environment().items():
+        patch.setenv(name, value)
+      blob = gcs_client.Client().bucket(BUCKET).blob(f"{key}/owner.json")
+      with pytest.raises(Exception) as e, storage.naming(f"{gs_dir}/owner.json"):
+        blob.upload_from_string("{}", retry=None)
+      refusals["owner.json"] = e.value
+      with pytest.raises(Exception) as e, storage.naming(f"{gs_dir}/config.json"):
+        raise gcsfs.retry.HttpError({"code": 429, "message": Refusals.MESSAGES[429]})
+      refusals["config.json"] = e.value
+      retries = {"gcs_request_retries": {"max_retries": 1, "initial_delay": "0.1s", "max_delay": "0.1s"}}
+      with pytest.raises(ValueError) as e:
+        ts.open({
+            "driver": "zarr",
+            "kvstore": f"{gs_dir}/state/",
+            "context": retries
+        }, create=True, dtype=ts.float32, shape=[4]).result()
+      refusals["state/.zarray"] = e.value
+  finally:
+    proxy.close()
+  for name, error in refusals.items():
+    assert storage.write_refused(error) == (
+        f"too many requests to GCS (HTTP 429: a rate limit or quota was exceeded): cannot write "
+        f"{gs_dir}/{name}; wait a few minutes and run the command again, or raise the project's quota; "
+        f"GCS takes about one write per second to one object"), error

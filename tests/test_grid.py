@@ -118,6 +118,9 @@ def test_a_root_of_another_grid_is_refused(tmp_path):
   with pytest.raises(grid.GridError) as e:
     grid.grid(overrides=[], axes={}, **args)
   assert "has no grid.json: it is not a grid's root" in str(e.value)
+  (tmp_path / "notes.txt").write_text("a file")
+  with pytest.raises(grid.GridError, match=r"^--root=.*notes.txt is a file; give a directory"):
+    grid.grid(overrides=[], axes={}, **{**args, "root": str(tmp_path / "notes.txt")})
 
 
 def test_hybrids_are_named_with_plus_in_the_grid(tmp_path):

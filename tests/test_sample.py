@@ -150,3 +150,15 @@ def test_lm_sample_on_a_trained_hybrid(small_corpus, tmp_path):
   assert texts[0] == texts[1] and texts[0].startswith("the quick brown"), "greedy rows agree"
   with pytest.raises(ValueError, match="shorten the prompt to at most 31 tokens"):
     eval_sample.sample(str(tmp_path), "the quick brown fox " * 20, sampling=decode.Sampling())
+
+
+@pytest.mark.parametrize("name", ["missing.txt", "."])
+def test_a_prompt_file_that_cannot_be_read_is_one_line(tmp_path, name):
+  """A directory given as --prompt_file was a traceback (IsADirectoryError)."""
+  prompt_file = tmp_path / name
+  result = subprocess.run(
+      [sys.executable, "-m", "eval.sample", f"--workdir={tmp_path}", f"--prompt_file={prompt_file}"],
+      capture_output=True, text=True, timeout=120)
+  reason = "No such file or directory" if name == "missing.txt" else "Is a directory"
+  assert result.returncode == 1
+  assert result.stderr == f"lm-sample: --prompt_file={prompt_file}: {reason}; give a text file\n"

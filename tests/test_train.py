@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from small import small_config
@@ -132,6 +134,28 @@ def test_counts_below_one_are_refused_by_name(field, value):
     Experiment(c)
 
 
+@pytest.mark.parametrize("field, value", [("train.lr", 0.0), ("train.lr", -1.0), ("train.warmup_steps", -3)])
+def test_rates_and_warmup_out_of_range_are_refused(field, value):
+  """A negative rate used to train, climbing the loss to 1e11; a rate of 0 trained nothing; a negative
+  warmup was taken without a word."""
+  c = tiny.get_config()
+  section, name = field.split(".")
+  c[section][name] = value
+  bound = "above 0; set --config.train.lr=X" if name == "lr" else "0 or more; set --config.train.warmup_steps=N"
+  with pytest.raises(ValueError, match=rf"^{field}={value} must be {re.escape(bound)}$"):
+    Experiment(c)
+
+
+def test_running_out_of_device_memory_names_the_knobs():
+  """What XLA raises when an array does not fit (lm-train's line; it was a 46-line traceback)."""
+  with pytest.raises(jax.errors.JaxRuntimeError) as e:
+    jnp.zeros((10**12,), jnp.float32).block_until_ready()  # 4 TB
+  assert re.fullmatch(
+      r"out of device memory \(RESOURCE_EXHAUSTED: Out of memory allocating \d+ bytes\.\); raise "
+      r"train\.microbatches, lower train\.batch_size or data\.seq_len, .*", train._out_of_memory(e.value))
+  assert train._out_of_memory(ValueError("RESOURCE_EXHAUSTED")) is None
+
+
 def test_a_microbatch_split_that_does_not_fit_names_the_batch_size():
   c = tiny.get_config()
   c.train.update(batch_size=32, microbatches=3)
@@ -147,17 +171,50 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
     train.train_and_evaluate(tiny.get_config(), str(tmp_path / "run"))
 
 
-@pytest.mark.parametrize("args, message",
-                         [(["--config=configs/nope.py"
-                           ], "cannot load --config: [Errno 2] No such file or directory: 'configs/nope.py'"),
-                          (["--config=configs/tiny.py", "--config.train.stpes=3"
-                           ], "no config field 'stpes' (from a --config.* override); "
-                           "Did you mean \"steps\" instead of \"stpes\"?")])
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--config=configs/nope.py"
+      ], "cannot load --config: [Errno 2] No such file or directory: 'configs/nope.py'"),
+     (["--config=configs/tiny.py", "--config.train.stpes=3"
+      ], "no config field 'stpes' (from a --config.* override); "
+      "Did you mean \"steps\" instead of \"stpes\"?"),
+     (["--config=configs/tiny.py", "--config.train.steps=abc"], "--config.train.steps=abc: give an integer"),
+     (["--config=configs/tiny.py", "--config.train.lr=fast"], "--config.train.lr=fast: give a number"),
+     (["--config=configs/tiny.py", "--config.checkpoint.use_async=maybe"
+      ], "--config.checkpoint.use_async=maybe: give true or false")])
 def test_config_mistakes_are_one_line(tmp_path, args, message):
   result = subprocess.run([sys.executable, "-m", "lm.train", f"--workdir={tmp_path}", *args],
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 1
   assert result.stderr == f"train.py: {message}\n"
+
+
+def test_an_empty_workdir_is_refused_and_nothing_is_written(tmp_path):
+  """`--workdir=` (a variable that was not set) used to train into the current directory."""
+  config = os.path.abspath("configs/tiny.py")
+  result = subprocess.run([sys.executable, "-m", "lm.train", f"--config={config}", "--workdir="],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+  assert result.returncode == 1 and result.stderr == "train.py: --workdir is empty; give a directory\n"
+  assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("code, error", [
+    ("def get_config(:\n", "line 1: SyntaxError: invalid syntax"),
+    ("def get_config():\n  raise ValueError('set DATA_DIR first')\n",
+     "line 2: ValueError: set DATA_DIR first"),
+    ("def get_config():\n  return stepz\n", "line 2: NameError: name 'stepz' is not defined"),
+    ("import nosuchmodule\n", "line 1: ModuleNotFoundError: No module named 'nosuchmodule'"),
+    ("from configs import tiny\n\ndef get_config():\n  c = tiny.get_config()\n  c.trian.steps = 3\n",
+     "line 5: AttributeError: 'trian'; Did you mean \"train\" instead of \"trian\"?"),
+])
+def test_a_config_file_that_fails_to_run_is_one_line(tmp_path, code, error):
+  """Whatever get_config (or the file's syntax) raises: the file, its line and the error, not a traceback."""
+  config = tmp_path / "broken.py"
+  config.write_text(code)
+  result = subprocess.run([sys.executable, "-m", "lm.train", f"--workdir={tmp_path}", f"--config={config}"],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr == f"train.py: --config: {config}, {error}; correct the config file\n"
 
 
 def test_initialisation_leaves_the_choice_of_kernel_to_the_run():
