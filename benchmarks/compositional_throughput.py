@@ -34,6 +34,9 @@ _PAPER_PYTHON = flags.DEFINE_string("paper_python", None, "Python of the paper c
 _PAPER_REPO = flags.DEFINE_string("paper_repo", None, "Checkout of smonsays/hypernetwork-attention.")
 _WORKER = flags.DEFINE_bool("worker", False, "Measure ours once (--presets and --dtypes: one each).")
 _PROFILE = flags.DEFINE_string("profile", None, "With --worker: trace 3 steps into this directory.")
+_XLA_DEFAULT = flags.DEFINE_bool(
+    "xla_default_fusion", False, "Measure ours with XLA's default CPU fusion (cpu_library_fusion=\"\") too; "
+    "with --worker: only that way.")
 
 PAPER_MODEL = {"softmax": "transformer", "linear": "linear_transformer", "hyla": "linear_hypatt"}
 WARMUP_STEPS = 5
@@ -49,6 +52,8 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
 
   c = sraven.get_config()
   c.model.update(attention=preset, dtype=dtype)
+  if _XLA_DEFAULT.value:
+    c.cpu_library_fusion = ""
   c = c.copy_and_resolve_references()
   exp = Experiment(c)
   data = HostData(exp)
@@ -70,7 +75,7 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
   return {
       "code": "ours",
       "preset": preset,
-      "dtype": dtype,
+      "dtype": dtype + (", XLA's default CPU fusion" if _XLA_DEFAULT.value else ""),
       "steps_per_s": steps / seconds,
       "cpu_s_per_step": cpu / steps,
       "loss": float(stats["loss"]),
@@ -99,7 +104,9 @@ def drive() -> None:
   print(f"before: {_uptime()}", flush=True)
   rows = []
   for preset in _PRESETS.value:
-    results = {"paper": []} | {d: [] for d in _DTYPES.value}
+    ours = [(d, []) for d in _DTYPES.value
+           ] + ([("float32", ["--xla_default_fusion"])] if _XLA_DEFAULT.value else [])
+    results = {"paper": []} | {f"{d}{', XLA default fusion' if extra else ''}": [] for d, extra in ours}
     for _ in range(_REPEATS.value):
       results["paper"].append(
           _run([
@@ -107,12 +114,12 @@ def drive() -> None:
               os.path.join(here, "paper_code_steps.py"), f"--repo={_PAPER_REPO.value}",
               f"--model={PAPER_MODEL[preset]}", f"--steps={_STEPS.value}"
           ]))
-      for dtype in _DTYPES.value:
-        results[dtype].append(
+      for (dtype, extra), runs in zip(ours, list(results.values())[1:]):
+        runs.append(
             _run([
                 sys.executable,
                 os.path.abspath(__file__), "--worker", f"--presets={preset}", f"--dtypes={dtype}",
-                f"--steps={_STEPS.value}"
+                f"--steps={_STEPS.value}", *extra
             ]))
     paper = max(r["steps_per_s"] for r in results["paper"])
     for name, runs in results.items():

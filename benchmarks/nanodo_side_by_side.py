@@ -9,12 +9,15 @@ GELU MLP). The batches are ours: the embedded corpus through our pipeline (its t
 V=8,192); NanoDO gets the same token rows from memory (benchmarks/nanodo_steps.py, which needs
 NanoDO's dependencies: clu, grain, tensorflow-datasets; TensorFlow is not needed).
 
-Each measurement is a fresh process; the two alternate, `repeats` times. Ours is measured twice:
-`lm-train`'s own loop (lm.train.train_and_evaluate: our data pipeline, host-to-device assembly,
-the step, the metrics read one step late, the non-finite check, the log; the time between its first
-and last progress report, from its metrics log) and the step loop alone on batches from memory,
-like NanoDO's side. Printed: steps/s (best, median), CPU seconds per step (all threads), each ratio
-to NanoDO's best, and `uptime` before and after (other load on the machine).
+Each measurement is a fresh process; all of them alternate, `repeats` times. Ours is measured
+twice: `lm-train`'s own loop (lm.train.train_and_evaluate: our data pipeline, host-to-device
+assembly, the step, the metrics read one step late, the non-finite check, the log; the time between
+its first and last progress report, from its metrics log) and the step loop alone on batches from
+memory, like NanoDO's side. Two more rows say where the difference comes from: our step loop with
+XLA's default CPU fusion (`cpu_library_fusion=""`), and NanoDO with the same XLA option as ours
+(`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce`). Printed: steps/s (best,
+median), CPU seconds per step (all threads), each ratio to NanoDO's best as it ships, and `uptime`
+before and after (other load on the machine).
 
 `--worker=loop|steps` measures ours once; `--profile=DIR` traces 3 steps of the step loop and
 prints where their time goes (benchmarks/profiles.py).
@@ -37,9 +40,13 @@ _NANODO_PYTHON = flags.DEFINE_string("nanodo_python", sys.executable,
 _STEPS = flags.DEFINE_integer("steps", 100, "Timed steps per measurement.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Alternating repeats.")
 _OUT = flags.DEFINE_string("out", "", "Write the markdown table here too.")
-_WORKER = flags.DEFINE_enum("worker", None, ["loop", "steps"], "Measure ours once, this way.")
+_WORKER = flags.DEFINE_enum("worker", None, ["loop", "steps", "matmuls"], "Measure ours once, this way.")
 _TOKENS = flags.DEFINE_string("tokens", "", "With --worker: also save the token rows here (.npy).")
 _PROFILE = flags.DEFINE_string("profile", None, "With --worker=steps: trace 3 steps into this directory.")
+_FUSION = flags.DEFINE_string("cpu_library_fusion", None, "With --worker: this config.cpu_library_fusion.")
+
+# What our CPU default (configs/base.py cpu_library_fusion) sets, as an XLA flag for NanoDO's process.
+OUR_XLA_FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
 
 WARMUP_STEPS = 3
 SIZES = dict(V=8192, D=256, H=4, L=4, F=1024)
@@ -56,6 +63,8 @@ def config(steps: int):
   c.eval.update(every_steps=steps, batch_size=16)
   c.checkpoint.update(every_steps=steps, use_async=False)
   c.compilation_cache = "none"
+  if _FUSION.value is not None:
+    c.cpu_library_fusion = _FUSION.value
   return c
 
 
@@ -120,11 +129,53 @@ def measure_steps(steps: int) -> dict:
   }
 
 
-def _run(cmd: list[str]) -> dict:
+def measure_matmuls(steps: int) -> dict:
+  """The step's matrix products alone, forward and backward, at the model's shapes: no layer norm,
+  GELU, softmax, loss or optimiser. What a trainer would reach if everything else were free."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  V, D, H, L, F = (SIZES[k] for k in "VDHLF")
+  B, T, K = 16, 256, D // H
+  shapes = {"qkv": (D, 3 * D), "out": (D, D), "up": (D, F), "down": (F, D), "embed": (D, V)}
+  keys = iter(jax.random.split(jax.random.key(0), 2 * L * len(shapes)))
+  params = [{n: jax.random.normal(next(keys), s) * s[0]**-0.5 for n, s in shapes.items()} for _ in range(L)]
+  x_nd = jax.random.normal(next(keys), (B * T, D))
+
+  def products(params, x_nd):
+    total = 0.0
+    for p in params:
+      q, k, v = jnp.split(x_nd @ p["qkv"], 3, axis=-1)
+      q, k, v = (y.reshape(B, T, H, K) for y in (q, k, v))
+      s_bhqk = jnp.einsum("bqhk,bshk->bhqs", q, k)
+      a_nd = jnp.einsum("bhqs,bshk->bqhk", s_bhqk, v).reshape(B * T, D)
+      x_nd = x_nd + a_nd @ p["out"] * 1e-3
+      x_nd = x_nd + (x_nd @ p["up"]) @ p["down"] * 1e-3
+      total = total + (x_nd @ p["embed"]).sum() if p is params[-1] else total
+    return total
+
+  step = jax.jit(jax.value_and_grad(products))
+  jax.block_until_ready(step(params, x_nd))
+  start, cpu = time.perf_counter(), time.process_time()
+  for _ in range(steps):
+    out = step(params, x_nd)
+  jax.block_until_ready(out)
+  seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+  return {
+      "code": "matrix products alone",
+      "steps_per_s": steps / seconds,
+      "cpu_s_per_step": cpu / steps,
+      "loss": None,
+      "jax": jax.__version__
+  }
+
+
+def _run(cmd: list[str], xla_flags: str = "") -> dict:
   # CPU only: libtpu (installed with the tpu extra) would otherwise be probed.
-  out = subprocess.run(cmd, capture_output=True, text=True, check=False, env={
-      **os.environ, "JAX_PLATFORMS": "cpu"
-  })
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  if xla_flags:
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
+  out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
   if out.returncode:
     raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -145,27 +196,32 @@ def drive() -> None:
       os.path.join(os.path.dirname(here), "nanodo_steps.py"), f"--repo={_NANODO_REPO.value}",
       f"--tokens={tokens}", f"--steps={_STEPS.value}"
   ]
+  # label → (command, extra XLA flags); the first row writes the token rows NanoDO reads.
+  rows = {
+      "ours (step loop)": (ours + ["--worker=steps", f"--tokens={tokens}"], ""),
+      "NanoDO": (nanodo, ""),
+      "ours (lm-train loop)": (ours + ["--worker=loop"], ""),
+      "ours (step loop), XLA's default CPU fusion": (ours + ["--worker=steps", "--cpu_library_fusion="], ""),
+      "NanoDO with our XLA CPU option": (nanodo, OUR_XLA_FLAG),
+      "the step's matrix products alone (with our XLA CPU option)":
+          (ours + ["--worker=matmuls"], OUR_XLA_FLAG),
+  }
   print(f"before: {_uptime()}", flush=True)
-  results = {"nanodo": [], "steps": [], "loop": []}
-  results["steps"].append(_run(ours + ["--worker=steps", f"--tokens={tokens}"]))
-  for i in range(_REPEATS.value):
-    results["nanodo"].append(_run(nanodo))
-    results["loop"].append(_run(ours + ["--worker=loop"]))
-    if i:  # the first step-loop measurement wrote the tokens
-      results["steps"].append(_run(ours + ["--worker=steps"]))
-    for runs in results.values():
-      if runs:
-        print(json.dumps(runs[-1]), flush=True)
+  results = {label: [] for label in rows}
+  for _ in range(_REPEATS.value):
+    for label, (cmd, xla_flags) in rows.items():
+      results[label].append(_run(cmd, xla_flags))
+      print(json.dumps({"row": label, **results[label][-1]}), flush=True)
   print(f"after: {_uptime()}", flush=True)
-  best_nanodo = max(r["steps_per_s"] for r in results["nanodo"])
+  best_nanodo = max(r["steps_per_s"] for r in results["NanoDO"])
   lines = [
       "| trainer | steps/s best | median | tokens/s best | CPU s/step (min) | x NanoDO (best) |",
       "|---|---|---|---|---|---|"
   ]
-  for runs in results.values():
+  for label, runs in results.items():
     rates = [r["steps_per_s"] for r in runs]
     cpus = [r["cpu_s_per_step"] for r in runs if r["cpu_s_per_step"] is not None]
-    lines.append(f"| {runs[0]['code']} | {max(rates):.3f} | {statistics.median(rates):.3f} | "
+    lines.append(f"| {label} | {max(rates):.3f} | {statistics.median(rates):.3f} | "
                  f"{max(rates) * 16 * 256:,.0f} | {f'{min(cpus):.2f}' if cpus else 'n/a'} | "
                  f"{max(rates) / best_nanodo:.2f} |")
   print("\n".join(lines))
@@ -177,7 +233,7 @@ def drive() -> None:
 def main(argv):
   del argv
   if _WORKER.value:
-    measure = measure_loop if _WORKER.value == "loop" else measure_steps
+    measure = {"loop": measure_loop, "steps": measure_steps, "matmuls": measure_matmuls}[_WORKER.value]
     print(json.dumps(measure(_STEPS.value)))
   else:
     drive()

@@ -52,6 +52,22 @@ def check_counts(config: ml_collections.ConfigDict) -> None:
                        f"1; set --config.{name}=N")
 
 
+# The kinds of operations XLA's CPU backend may hand to YNNPACK (config.cpu_library_fusion).
+LIBRARY_FUSIONS = ("dot", "eltwise", "reduce")
+
+
+def cpu_compiler_options(kinds: str, platform: str) -> dict[str, str] | None:
+  """The XLA options of the train and eval steps: config.cpu_library_fusion, on CPU only."""
+  names = [k.strip() for k in kinds.split(",") if k.strip()]
+  unknown = set(names) - set(LIBRARY_FUSIONS)
+  if unknown:
+    raise ValueError(f"unknown cpu_library_fusion kind(s) {', '.join(sorted(unknown))}; choose from "
+                     f"{', '.join(LIBRARY_FUSIONS)}, comma-separated, or \"\" for XLA's default")
+  if platform != "cpu" or not names:
+    return None
+  return {"xla_cpu_experimental_ynn_fusion_type": ",".join(f"LIBRARY_FUSION_TYPE_{n.upper()}" for n in names)}
+
+
 class Experiment:
 
   def __init__(self, config: ml_collections.ConfigDict, devices=None):
@@ -72,6 +88,8 @@ class Experiment:
     if config.eval.batch_size % shards:
       raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the {shards} "
                        f"batch shards of the mesh (data x fsdp); choose a multiple of {shards}")
+    self.compiler_options = cpu_compiler_options(config.get("cpu_library_fusion", ""),
+                                                 self.mesh.devices.flat[0].platform)
     if config.train.on_nonfinite not in ("stop", "skip"):
       raise ValueError(f"unknown train.on_nonfinite {config.train.on_nonfinite!r}; choose stop or skip")
     # The state as created, each parameter (and optimiser moment) boxed with its logical axes.
@@ -156,7 +174,8 @@ class Experiment:
       return kept.replace(step=state.step + 1), stats
 
     return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
-                   out_shardings=(self.state_shardings, None), donate_argnums=0)
+                   out_shardings=(self.state_shardings, None), donate_argnums=0,
+                   compiler_options=self.compiler_options)
 
   def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
     with jax.set_mesh(self.mesh):
@@ -179,7 +198,8 @@ class Experiment:
   @functools.cached_property
   def _eval_step(self):
     step = lambda params, batch: self.task.eval_sums(self.apply(params, batch), batch)
-    return jax.jit(step, in_shardings=(self.state_shardings.params, self.batch_sharding))
+    return jax.jit(step, in_shardings=(self.state_shardings.params, self.batch_sharding),
+                   compiler_options=self.compiler_options)
 
   def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Host-local rows → one global array per field, sharded over the batch axes."""

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from data_pipelines import pipeline, sources
 from lm import stats, tasks_compositional
@@ -54,9 +55,11 @@ class Task(Protocol):
 
 
 def token_nll(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-  """Negative log-likelihood of every target token, in float32: [B, T]."""
-  logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32))
-  return -jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
+  """Negative log-likelihood of every target token, in float32: [B, T]. optax's form, log-sum-exp minus
+  the target's logit, never writes the [B, T, V] log-probabilities that log_softmax would: 4% more
+  steps/s on CPU and 0.43 GB less HBM traffic per chip and step for configs/c4_50m.py on v5e
+  (docs/nanodo_side_by_side.md)."""
+  return optax.losses.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
 
 
 def position_buckets(seq_len: int) -> list[int]:

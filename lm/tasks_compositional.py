@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from data_pipelines import fuzzy_logic, pipeline, sraven
 from lm import stats
@@ -48,8 +49,7 @@ def split_seed(config: ml_collections.ConfigDict) -> int:
 
 def sraven_sums(logits_bfv: jax.Array, targets_bf: jax.Array) -> dict[str, jax.Array]:
   """Sums over a batch: instances, mean cross-entropy over features, all-4-correct, correct features."""
-  logp_bfv = jax.nn.log_softmax(logits_bfv.astype(jnp.float32))
-  nll_bf = -jnp.take_along_axis(logp_bfv, targets_bf[..., None], axis=-1)[..., 0]
+  nll_bf = optax.losses.softmax_cross_entropy_with_integer_labels(logits_bfv.astype(jnp.float32), targets_bf)
   right_bf = jnp.argmax(logits_bfv, axis=-1) == targets_bf
   return {
       "examples": jnp.float32(targets_bf.shape[0]),

@@ -227,3 +227,42 @@ def test_initialisation_leaves_the_choice_of_kernel_to_the_run():
   c.data.seq_len = 100
   with pytest.raises(ValueError, match="tiles sequences in blocks of 128, got lengths 100"):
     Experiment(c)
+
+
+def test_the_cpu_library_fusion_reaches_the_compiled_steps_and_changes_no_number():
+  """configs/base.py hands element-wise work and reductions to YNNPACK on CPU: the train step compiled
+  with it leaves fewer of XLA's own loop fusions (XLA's default keeps the element-wise work beside the
+  products), and the first step's loss and gradient norm match XLA's default; `""` restores it."""
+  batch = fixed_batch(64, 4, 16)
+  got, loops = {}, {}
+  for kinds in ("dot,eltwise,reduce", ""):
+    c = tiny.get_config()
+    c.model.update(V=64, D=32, H=4, L=2, F=64)
+    c.data.seq_len, c.train.batch_size, c.cpu_library_fusion = 16, 4, kinds
+    exp = Experiment(c)
+    state = exp.init_state()
+    hlo = exp._train_step.lower(state, exp.global_batch(batch)).compile().as_text()  # pylint: disable=protected-access
+    loops[kinds] = hlo.count("kind=kLoop")
+    _, stats = exp.train_step(state, exp.global_batch(batch))
+    got[kinds] = (float(stats["loss"]), float(stats["grad_norm"]))
+  np.testing.assert_allclose(got["dot,eltwise,reduce"], got[""], rtol=1e-5)
+  assert loops["dot,eltwise,reduce"] < loops[""], loops
+  assert Experiment(tiny.get_config()).compiler_options == {
+      "xla_cpu_experimental_ynn_fusion_type":
+          "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_REDUCE"
+  }
+
+
+def test_the_cpu_library_fusion_is_cpu_only_and_checked():
+  from lm.experiment import cpu_compiler_options  # pylint: disable=import-outside-toplevel
+  assert cpu_compiler_options("dot,eltwise,reduce", "tpu") is None
+  assert cpu_compiler_options("", "cpu") is None
+  assert cpu_compiler_options("dot", "cpu") == {
+      "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"
+  }
+  c = tiny.get_config()
+  c.cpu_library_fusion = "dot,matmul"
+  with pytest.raises(
+      ValueError, match=r'^unknown cpu_library_fusion kind\(s\) matmul; choose from dot, '
+      r'eltwise, reduce, comma-separated, or "" for XLA\'s default$'):
+    Experiment(c)

@@ -1,0 +1,116 @@
+"""Where a compiled TPU train step's HBM bytes go: the step's bytes by the part of the model and the
+optimiser that each top-level operation comes from.
+
+  python benchmarks/compile_bytes.py --config=configs/c4_50m.py --topology=v5e:4x4 [--config.a.b=v ...]
+
+Compiles the step as lm-compile does and reads the optimised HLO: every operation of the entry
+computation (a fusion, a copy, a collective, a custom call) reads its operands and writes its result
+in HBM, so its bytes are the sizes of both. Operations are grouped by where they came from (their
+op_name: the forward or backward pass of which module, the loss, the optimiser update, the non-finite
+guard), layers merged. The total is checked against the compiler's own "bytes accessed" (they differ
+where the compiler knows that an operation reads only part of an operand). These are the compiler's
+static counts, not measurements; lm-compile's time estimate divides the compiler's count by the
+chip's HBM bandwidth.
+"""
+
+import collections
+import re
+import sys
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from launch import compile as compile_lib
+from lm.experiment import Experiment
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
+flags.DEFINE_string("topology", "v5e:4x4", "TPU topology, as lm-compile --topology.")
+flags.DEFINE_integer("top", 12, "Show this many single operations too.")
+flags.DEFINE_string("hlo_out", "", "Also write the optimised HLO text here.")
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) (\w[\w\-]*)\((.*?)\)(, .*)?$")
+_ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]*)\]")
+_ITEMSIZE = dict(pred=1, s8=1, u8=1, s16=2, u16=2, bf16=2, f16=2, s32=4, u32=4, f32=4, s64=8, u64=8, f64=8)
+# Ops that move no data of their own.
+_FREE = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+    "replica-id"
+}
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape (a tuple's elements summed); layouts and memory spaces ignored."""
+  return sum(_ITEMSIZE[t] * int(np.prod([int(d)
+                                         for d in dims.split(",")
+                                         if d], dtype=np.int64))
+             for t, dims in _ARRAY.findall(shape))
+
+
+def where_from(op_name: str) -> str:
+  """A readable origin of an operation: pass (forward/backward), module path without the layer index."""
+  name = op_name.split(";")[0]
+  backward = "transpose(jvp(" in name
+  name = re.sub(r"^jit\([^)]*\)/", "", name)
+  name = re.sub(r"(transpose\()?(jvp\()?(jit\(\w+\)/)?", "", name).replace(")", "")
+  name = re.sub(r"block_\d+", "block_*", name)
+  parts = [p for p in name.split("/") if p]
+  if parts and parts[0] == "Transformer":
+    keep = [p for p in parts[1:4] if not re.search(r"[,>]|dot_general|^(mul|add|sub|div)", p)][:2]
+    return ("backward " if backward else "forward ") + "/".join(keep or ["Transformer"])
+  return ("backward " if backward else "") + "/".join(parts[:2])
+
+
+def entry_operations(hlo: str) -> list[tuple[str, str, int, str]]:
+  """(name, opcode, bytes read and written, origin) of every operation of the entry computation."""
+  shapes, ops, entry = {}, [], False
+  for line in hlo.splitlines():
+    if line.startswith("ENTRY"):
+      entry = True
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m:
+      if entry and line.startswith("}"):
+        entry = False
+      continue
+    name, shape, opcode, operands, rest = m.groups()
+    shapes[name] = shape
+    if not entry or opcode in _FREE:
+      continue
+    read = sum(shape_bytes(shapes.get(o.strip().lstrip("%"), "")) for o in operands.split(","))
+    op_name = re.search(r'op_name="([^"]*)"', rest or "")
+    origin = where_from(op_name.group(1)) if op_name else f"({opcode}, no op_name)"
+    ops.append((name, opcode, read + shape_bytes(shape), origin))
+  return ops
+
+
+def main(argv):
+  del argv
+  devices = compile_lib.topology_devices(FLAGS.topology)
+  exp = Experiment(FLAGS.config, devices=devices)
+  compiled = exp.lower_train_step().compile()
+  hlo = compiled.as_text()
+  if FLAGS.hlo_out:
+    with open(FLAGS.hlo_out, "w") as f:
+      f.write(hlo)
+  ops = entry_operations(hlo)
+  total = sum(b for _, _, b, _ in ops)
+  reported = compiled.cost_analysis()["bytes accessed"]
+  print(f"{FLAGS.topology}, attention {exp.model_cfg.attention}: {len(ops)} operations, "
+        f"{total / 1e9:.2f} GB read+written by this count, {reported / 1e9:.2f} GB by the compiler's")
+  groups = collections.Counter()
+  for _, _, b, origin in ops:
+    groups[origin] += b
+  print("\n| from | GB per chip and step | share |\n|---|---|---|")
+  for origin, b in groups.most_common():
+    if b / total >= 0.005:
+      print(f"| {origin} | {b / 1e9:.2f} | {b / total:.1%} |")
+  print("\nlargest single operations:")
+  for name, opcode, b, origin in sorted(ops, key=lambda o: -o[2])[:FLAGS.top]:
+    print(f"  {b / 1e9:6.3f} GB  {opcode:12s} {name}  ({origin})")
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, __file__.rsplit("/", 2)[0])
+  app.run(main)
