@@ -231,10 +231,11 @@ def test_initialisation_leaves_the_choice_of_kernel_to_the_run():
 
 def test_the_cpu_library_fusion_reaches_the_compiled_steps_and_changes_no_number():
   """configs/base.py hands element-wise work and reductions to YNNPACK on CPU: the train step compiled
-  with it leaves fewer of XLA's own loop fusions (XLA's default keeps the element-wise work beside the
-  products), and the first step's loss and gradient norm match XLA's default; `""` restores it."""
+  with it writes far fewer element-wise results in a transposed layout (XLA's `copy_bitcast` fusions,
+  30% of a step's time with XLA's default on NanoDO's model), and the first step's loss and gradient
+  norm match XLA's default; `""` restores the default."""
   batch = fixed_batch(64, 4, 16)
-  got, loops = {}, {}
+  got, copies = {}, {}
   for kinds in ("dot,eltwise,reduce", ""):
     c = tiny.get_config()
     c.model.update(V=64, D=32, H=4, L=2, F=64)
@@ -242,11 +243,11 @@ def test_the_cpu_library_fusion_reaches_the_compiled_steps_and_changes_no_number
     exp = Experiment(c)
     state = exp.init_state()
     hlo = exp._train_step.lower(state, exp.global_batch(batch)).compile().as_text()  # pylint: disable=protected-access
-    loops[kinds] = hlo.count("kind=kLoop")
+    copies[kinds] = hlo.count("copy_bitcast_fusion")
     _, stats = exp.train_step(state, exp.global_batch(batch))
     got[kinds] = (float(stats["loss"]), float(stats["grad_norm"]))
   np.testing.assert_allclose(got["dot,eltwise,reduce"], got[""], rtol=1e-5)
-  assert loops["dot,eltwise,reduce"] < loops[""], loops
+  assert copies["dot,eltwise,reduce"] < copies[""] / 2, copies
   assert Experiment(tiny.get_config()).compiler_options == {
       "xla_cpu_experimental_ynn_fusion_type":
           "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_REDUCE"
