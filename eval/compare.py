@@ -137,22 +137,34 @@ def _band(runs: list[dict], x_of, y_of) -> tuple[np.ndarray, np.ndarray, np.ndar
 AXES = (("training tokens", lambda r, e: e["tokens_seen"]), ("training FLOPs", lambda r, e: e["tokens_seen"] *
                                                              (r["flops_per_token"] or np.nan)),
         ("wall-clock seconds", lambda r, e: e["wall_seconds"]))
+# The compositional tasks count instances (sequences), not tokens.
+INSTANCE_AXES = (("training instances", lambda r, e: e["step"] * r["config"]["train"]["batch_size"]),
+                 ("wall-clock seconds", lambda r, e: e["wall_seconds"]))
 
 
-def plot(runs: list[dict], out: str, split: str = "validation") -> None:
-  groups = seed_groups(runs)
-  fig, axes = plt.subplots(1, len(AXES), figsize=(15, 4.2), sharey=True)
-  for ax, (xlabel, x_of) in zip(axes, AXES):
-    for label, mine in groups.items():
-      x, y, se = _band(mine, x_of, lambda e: e["perplexity"])
-      seeds = f", {len(mine)} seeds" if len(mine) > 1 else ""
+def curves(runs: list[dict], key: str, x_of=AXES[0][1]) -> dict[str, dict[str, list[float]]]:
+  """Per group of seeds: x, the mean of evaluation metric `key` and its standard error over seeds."""
+  out = {}
+  for label, mine in seed_groups(runs).items():
+    x, y, se = _band(mine, x_of, lambda e: e[key])
+    out[label] = {"x": x.tolist(), "mean": y.tolist(), "stderr": se.tolist(), "seeds": len(mine)}
+  return out
+
+
+def plot(runs: list[dict], out: str, split: str = "validation", key: str = "perplexity", axes=AXES) -> None:
+  """`key` of the `split` evaluations against each of `axes`, one line (± one s.e. band) per group."""
+  fig, panels = plt.subplots(1, len(axes), figsize=(5 * len(axes), 4.2), sharey=True, squeeze=False)
+  for ax, (xlabel, x_of) in zip(panels[0], axes):
+    for label, c in curves(runs, key, x_of).items():
+      x, y, se = (np.asarray(c[k]) for k in ("x", "mean", "stderr"))
+      seeds = f", {c['seeds']} seeds" if c["seeds"] > 1 else ""
       line, = ax.plot(x, y, marker="o", markersize=3, label=label + seeds)
-      if len(mine) > 1:
+      if c["seeds"] > 1:
         ax.fill_between(x, y - se, y + se, color=line.get_color(), alpha=0.25, linewidth=0)
-    ax.set(xlabel=xlabel, yscale="log")
+    ax.set(xlabel=xlabel, yscale="log" if key == "perplexity" else "linear")
     ax.grid(True, which="both", alpha=0.3)
-  axes[0].set_ylabel(f"{split} perplexity (mean ± 1 s.e. over seeds)")
-  axes[0].legend(fontsize=8)
+  panels[0][0].set_ylabel(f"{split} {key} (mean ± 1 s.e. over seeds)")
+  panels[0][0].legend(fontsize=8)
   save_figure(fig, out)
 
 

@@ -199,7 +199,7 @@ def write(root: epath.Path, config_file: str, axes: list[str]) -> str:
   rows = group(points, task)
   chosen = best(rows)
   pairs = paired(chosen, points, task)
-  plots = []
+  plots, curves = [], {}
   for axis in axes:
     name = f"sensitivity_{axis}.png"
     if sensitivity_plot(rows, axis, task, root / name):
@@ -208,6 +208,13 @@ def write(root: epath.Path, config_file: str, axes: list[str]) -> str:
     # Validation curves (tokens, FLOPs, wall clock) and loss by position of each variant's best runs.
     compare.compare([str(root / n) for r in chosen.values() for n in r["points"]], str(root / "curves.png"))
     plots += ["curves.png"] + (["curves_positions.png"] if (root / "curves_positions.png").exists() else [])
+  else:
+    # The headline metric against instances seen and wall clock, every variant's best runs.
+    _, split, key = METRICS[task][0]
+    runs = [compare.read_run(str(root / n), split) for r in chosen.values() for n in r["points"]]
+    compare.plot(runs, str(root / "curves.png"), split, key, compare.INSTANCE_AXES)
+    plots.append("curves.png")
+    curves = compare.curves(runs, key, compare.INSTANCE_AXES[0][1])
   text = markdown(task, config_file, axes, rows, chosen, pairs, plots)
   storage.write_text(root / "summary.md", text)
   storage.write_text(
@@ -221,6 +228,7 @@ def write(root: epath.Path, config_file: str, axes: list[str]) -> str:
               "rows": rows,
               "best": chosen,
               "paired": pairs,
+              "curves": curves,
               "points": points
           }, indent=1))
   return text

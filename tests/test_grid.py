@@ -287,7 +287,7 @@ def test_fuzzy_logic_grid_reports_ood_r2_and_latent_decoding(tmp_path):
       "--config.model.D=16", "--config.model.qkv_dim=8", "--config.model.H=4", "--config.model.F=32",
       "--config.model.attention_dropout=0.0", "--config.train.instances=240", "--config.train.batch_size",
       "8", "--config.train.warmup_steps=3", "--config.eval.batch_size=16", "--config.eval.batches=1",
-      "--config.eval.every_steps=1000", "--config.checkpoint.every_steps=1000"
+      "--config.eval.every_steps=10", "--config.checkpoint.every_steps=1000"
   ]
   result = run(cmd)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -297,3 +297,8 @@ def test_fuzzy_logic_grid_reports_ood_r2_and_latent_decoding(tmp_path):
   assert point["results"]["latent"]["paper_code"]["examples"] == 64  # lm-latent ran with our flags
   r2 = point["results"]["ood"]["r2"]
   assert f"| hyla | (config as given) | 0 | {r2:.4f} |" in (tmp_path / "summary.md").read_text()
+  # Learning curve: OOD R² at every evaluation against instances seen (steps x batch 8); the last
+  # point is the final evaluation.
+  curve = json.loads((tmp_path / "summary.json").read_text())["curves"]["hyla"]
+  assert curve["x"] == [80, 160, 240] and curve["mean"][-1] == pytest.approx(r2) and curve["seeds"] == 1
+  assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
