@@ -127,8 +127,9 @@ class Experiment:
   def _weighted_loss(self, params, batch, rng):
     """The task's mean loss times its weight: summed over microbatches, then divided by the summed
     weight, it gives the mean over the whole batch."""
-    mean, weight = self.task.loss(self.apply(params, batch, deterministic=False, rngs={"dropout": rng}),
-                                  batch)
+    outputs = self.apply(params, batch, deterministic=False, rngs={"dropout": rng},
+                         return_readout=self.task.loss_takes_readout)
+    mean, weight = self.task.loss(outputs, batch)
     return mean * weight, (mean, weight)
 
   def _grads(self, params, batch, rng):

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm import attention, decode_cache, sharding
+from lm import attention, cross_entropy, decode_cache, sharding
 
 POSITIONS = ("rotary", "relative_bias", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -207,7 +207,8 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
   """inputs: token ids [B, T] (or float features [B, T, I] when cfg.input_dim > 0) → float32 outputs
-  [B, T, V].
+  [B, T, V]; with return_readout, the final hidden states and readout weights that form them
+  (lm/cross_entropy.py), for a loss that need not write the logits.
 
   decode_len > 0 (causal models only): incremental decoding. Each call appends its T tokens after
   those of earlier calls, at positions index..index+T-1 of a context of decode_len positions, and
@@ -217,7 +218,8 @@ class Transformer(nn.Module):
   decode_len: int = 0
 
   @nn.compact
-  def __call__(self, inputs, *, positions_bt=None, segment_ids_bt=None, deterministic: bool = True):
+  def __call__(self, inputs, *, positions_bt=None, segment_ids_bt=None, deterministic: bool = True,
+               return_readout: bool = False):
     cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
     B, T = inputs.shape[:2]
     explicit_positions = positions_bt is not None
@@ -264,11 +266,11 @@ class Transformer(nn.Module):
       x_btd = sharding.constrain_batch(x_btd)
     x_btd = _layer_norm(dtype, "ln_final")(x_btd)
     if cfg.tied_embeddings and not cfg.input_dim:
-      out_btv = x_btd @ embed_vd.astype(dtype).T * cfg.D**-0.5
+      readout = cross_entropy.Readout(x_btd, embed_vd.astype(dtype).T, cfg.D**-0.5)
     else:
-      out_btv = x_btd @ self.param("unembed", _init(cfg.D**-0.5, "embed", "vocab"),
-                                   (cfg.D, cfg.V)).astype(dtype)
-    return out_btv.astype(jnp.float32)
+      unembed_dv = self.param("unembed", _init(cfg.D**-0.5, "embed", "vocab"), (cfg.D, cfg.V))
+      readout = cross_entropy.Readout(x_btd, unembed_dv.astype(dtype), 1.0)
+    return readout if return_readout else readout.logits().astype(jnp.float32)
 
 
 def latent_codes(model: Transformer, params, inputs, **kw) -> list[jax.Array]:

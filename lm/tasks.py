@@ -4,6 +4,7 @@ A task gives the training loop three things and nothing else:
   - `train_iterator(shard, rows)`: an endless grain iterator of host-local numpy batches whose
     state (`get_state`/`set_state`) goes into every checkpoint;
   - `loss(outputs, batch)`: the scalar minimised, and the number of examples or tokens it averages;
+    `outputs` are the model's logits, or its readout (lm/cross_entropy.py) when `loss_takes_readout`;
   - evaluation: `eval_sets(shard, rows)` names finite batch streams, `eval_sums(outputs, batch)` reduces
     one batch to sums (on device), `summarize(sums)` turns the sums of a whole set into metrics;
   - `example()`: one row shaped like a training batch's, made without reading data, from which
@@ -24,7 +25,7 @@ import ml_collections
 import numpy as np
 
 from data_pipelines import pipeline, sources
-from lm import stats, tasks_compositional
+from lm import cross_entropy, stats, tasks_compositional
 
 Batch = dict[str, np.ndarray]
 
@@ -32,6 +33,7 @@ Batch = dict[str, np.ndarray]
 class Task(Protocol):
   name: str
   seq_len: int  # positions per row: what throughput and token budgets count
+  loss_takes_readout: bool  # the training loss gets the final hidden states and readout, not logits
 
   def train_iterator(self, shard: pipeline.Shard, rows: int) -> grain.DatasetIterator:
     ...
@@ -53,16 +55,6 @@ class Task(Protocol):
     ...
 
 
-def token_nll(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-  """Negative log-likelihood of every target token, in float32: [B, T]. Log-sum-exp minus the target's
-  logit, never writing the [B, T, V] log-probabilities. The target's logit is picked by a masked sum
-  rather than a gather (optax's form) so that XLA fuses it into the log-sum-exp's pass over the logits:
-  0.91 GB less HBM traffic per chip and step for configs/c4_50m.py on v5e (docs/compile_table.md)."""
-  logits_btv = logits_btv.astype(jnp.float32)
-  is_target_btv = jnp.arange(logits_btv.shape[-1]) == targets_bt[..., None]
-  return jax.nn.logsumexp(logits_btv, axis=-1) - jnp.where(is_target_btv, logits_btv, 0.0).sum(-1)
-
-
 def position_buckets(seq_len: int) -> list[int]:
   """First position of each bucket of positions in the context: 0, 1, 2, 4, 8, ... (powers of two)."""
   return [0] + [2**k for k in range((seq_len - 1).bit_length())]
@@ -71,6 +63,7 @@ def position_buckets(seq_len: int) -> list[int]:
 class LanguageModeling:
   """Next-token prediction on packed documents; evaluation is token-weighted over the whole split."""
   name = "lm"
+  loss_takes_readout = True  # the cross-entropy may then skip writing the [B, T, V] logits
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
     self.config = config
@@ -111,10 +104,11 @@ class LanguageModeling:
   def loss(self, outputs, batch):
     weights_bt = batch["weights"]
     count = weights_bt.sum()
-    return (token_nll(outputs, batch["targets"]) * weights_bt).sum() / jnp.maximum(count, 1.0), count
+    nll_bt = cross_entropy.readout_nll(*outputs, batch["targets"], impl=self.config.train.cross_entropy_impl)
+    return (nll_bt * weights_bt).sum() / jnp.maximum(count, 1.0), count
 
   def eval_sums(self, outputs, batch):
-    nll_bt, weights_bt = token_nll(outputs, batch["targets"]), batch["weights"]
+    nll_bt, weights_bt = cross_entropy.token_nll(outputs, batch["targets"]), batch["weights"]
     # Bucket k holds positions [2^(k-1), 2^k): its index is the position's bit length.
     bucket_bt = 32 - jax.lax.clz(batch["positions"].astype(jnp.int32))
     in_bucket_btn = jax.nn.one_hot(bucket_bt, len(position_buckets(self.seq_len))) * weights_bt[..., None]

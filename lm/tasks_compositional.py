@@ -74,6 +74,7 @@ def fuzzy_sums(pred_b: jax.Array, targets_b: jax.Array, target_var_b: jax.Array)
 class Sraven:
   """SRAVEN: inputs one-hot [B, 36, 8]; outputs [B, 36, 8], the last 4 positions are the answer."""
   name = "sraven"
+  loss_takes_readout = False
   seq_len = sraven.SEQ_LEN
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
@@ -125,6 +126,7 @@ class Sraven:
 class FuzzyLogic:
   """Fuzzy-logic regression: inputs [B, N, L+1]; the first output at the last position is f(x_N)."""
   name = "fuzzy_logic"
+  loss_takes_readout = False
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
     d, m = config.data, config.model

@@ -70,11 +70,11 @@ def test_compiles_c4_50m_for_v5e_4x4(attention):
 
 
 def test_text_report_and_does_not_fit():
-  """8192 rows (512 per chip) need ~49 GiB of temporaries: the compiler stops at once, exit 1."""
-  result = lm_compile("--topology=v5e:4x4", "--config.model.L=1", "--config.train.batch_size=8192")
+  """32768 rows (2048 per chip) need ~28 GiB of temporaries: the compiler stops at once, exit 1."""
+  result = lm_compile("--topology=v5e:4x4", "--config.model.L=1", "--config.train.batch_size=32768")
   assert result.returncode == 1, result.stderr[-3000:]
   out = result.stdout
-  assert "8192 rows x 512 tokens per step; v5e:4x4: 16 chips (TPU v5 lite) on 4 hosts" in out
+  assert "32768 rows x 512 tokens per step; v5e:4x4: 16 chips (TPU v5 lite) on 4 hosts" in out
   assert "DOES NOT FIT in 16.00 GiB of HBM" in out
   assert "exceeds available HBM (15.75G)" in out  # the compiler's own numbers
   assert "To fit: lower train.batch_size, raise train.microbatches" in out

@@ -1,0 +1,134 @@
+"""The readout's cross-entropy: the Pallas kernels (run here in interpret mode) compute the same loss
+and gradients as the plain form, alone and under a mesh, and compile for TPU under impl auto."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lm import cross_entropy
+
+# Two token blocks of the forward and dx kernels, 16 of the dw kernel; two vocabulary blocks of 1,024 in
+# the forward and dx kernels (one of 2,048 in dw).
+B, T, D, V = 2, 2048, 64, 2048
+
+
+def _problem(dtype=jnp.float32):
+  kx, kw, ky = jax.random.split(jax.random.key(0), 3)
+  x_btd = jax.random.normal(kx, (B, T, D), jnp.float32).astype(dtype)
+  w_dv = (jax.random.normal(kw, (D, V), jnp.float32) * 0.3).astype(dtype)
+  targets_bt = jax.random.randint(ky, (B, T), 0, V)
+  # Unequal weights per token, so that a gradient that mixed up tokens would show.
+  weights_bt = jnp.linspace(0.0, 2.0, B * T).reshape(B, T)
+  return x_btd, w_dv, targets_bt, weights_bt
+
+
+def _loss_and_grads(impl, scale, x_btd, w_dv, targets_bt, weights_bt):
+  f = lambda x, w: (cross_entropy.readout_nll(x, w, scale, targets_bt, impl=impl, interpret=True) * weights_bt
+                   ).sum()
+  return jax.jit(jax.value_and_grad(f, (0, 1)))(x_btd, w_dv)
+
+
+def test_token_nll_is_log_softmax_at_the_target():
+  logits = jax.random.normal(jax.random.key(1), (2, 3, 7)) * 5
+  targets = jnp.asarray([[0, 6, 3], [2, 2, 5]])
+  want = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)),
+                             np.asarray(targets)[..., None], -1)[..., 0]
+  np.testing.assert_allclose(cross_entropy.token_nll(logits, targets), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.125])
+def test_kernels_equal_the_plain_form_in_float32(scale):
+  problem = _problem()
+  (loss, (dx, dw)), (want_loss,
+                     (want_dx,
+                      want_dw)) = (_loss_and_grads(impl, scale, *problem) for impl in ("pallas", "xla"))
+  assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
+  np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-5)
+
+
+def test_kernels_in_bfloat16_keep_the_logits_in_float32():
+  """With bfloat16 inputs the kernels are closer to the float32 loss than the plain form, which rounds
+  the logits to bfloat16 as the model's forward pass does."""
+  x, w, y, weights = _problem(jnp.bfloat16)
+  exact, _ = _loss_and_grads("xla", 1.0, x.astype(jnp.float32), w.astype(jnp.float32), y, weights)
+  bf16 = (x, w, y, weights)
+  (kernels, (dx, dw)), (plain, (want_dx,
+                                want_dw)) = (_loss_and_grads(impl, 1.0, *bf16) for impl in ("pallas", "xla"))
+  assert dx.dtype == dw.dtype == jnp.bfloat16
+  assert abs(float(kernels) - float(exact)) < abs(float(plain) - float(exact))
+  np.testing.assert_allclose(np.asarray(dw, np.float32), np.asarray(want_dw, np.float32), rtol=0.05,
+                             atol=0.05)
+
+
+@pytest.mark.parametrize("impl, tokens, V, message", [
+    ("fast", 2048, 256, "unknown train.cross_entropy_impl 'fast'; choose one of: auto, xla, pallas"),
+    ("pallas", 2048, 300, "the vocabulary (300) is not a multiple of 128"),
+    ("pallas", 1024, 256, "the tokens per device (1024) are not a multiple of 2048"),
+])
+def test_what_the_kernels_cannot_take_fails_clearly(impl, tokens, V, message):
+  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    cross_entropy.readout_nll(jnp.zeros((1, tokens, 8)), jnp.zeros((8, V)), 1.0,
+                              jnp.zeros((1, tokens), jnp.int32), impl=impl)
+
+
+def test_auto_takes_the_plain_form_on_cpu():
+  x, w, y, _ = _problem()
+  text = jax.jit(lambda x, w: cross_entropy.readout_nll(x, w, 1.0, y)).lower(x, w).as_text()
+  assert "tpu_custom_call" not in text and "cross_entropy_fwd" not in text
+
+
+def test_kernels_under_a_mesh_sum_the_readouts_gradient_over_devices():
+  """Four CPU devices, rows sharded over `data`: each device's kernels see their rows only, and w's
+  gradient is the sum over devices (shard_map's transpose), equal to the unsharded gradient."""
+  script = textwrap.dedent(f"""
+      import jax, jax.numpy as jnp, numpy as np
+      from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
+      from test_cross_entropy import _problem, _loss_and_grads
+      x, w, y, weights = _problem()
+      x, y, weights = (jnp.concatenate([a, a[::-1]]) for a in (x, y, weights))  # 4 rows: 2,048 tokens a device
+      want = _loss_and_grads("xla", 0.5, x, w, y, weights)
+      mesh = Mesh(np.asarray(jax.devices()).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
+      rows = NamedSharding(mesh, P(("data", "fsdp")))
+      with jax.set_mesh(mesh):
+        got = _loss_and_grads("pallas", 0.5, jax.device_put(x, rows), w, jax.device_put(y, rows),
+                              jax.device_put(weights, rows))
+      np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+      for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+      print("equal")
+      """)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          timeout=600)
+  assert result.stdout.strip().endswith("equal"), result.stderr[-3000:]
+
+
+def test_auto_compiles_the_kernels_for_tpu():
+  """Under impl auto, a step lowered for a v5e mesh (rows sharded over 4 chips) runs the forward and both
+  backward kernels, and compiles."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  try:
+    topology = topologies.get_topology_desc("v5e:2x2", "tpu")
+  except (RuntimeError, NotImplementedError) as e:
+    pytest.skip(f"no libtpu to compile for TPU (pip install -e '.[tpu]'): {e}")
+  mesh = Mesh(np.asarray(topology.devices).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
+  rows = NamedSharding(mesh, P(("data", "fsdp")))
+  x = jax.ShapeDtypeStruct((8, 1024, 256), jnp.bfloat16, sharding=rows)
+  w = jax.ShapeDtypeStruct((256, 32_000), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  y = jax.ShapeDtypeStruct((8, 1024), jnp.int32, sharding=rows)
+  loss = lambda x, w, y: cross_entropy.readout_nll(x, w, 1.0, y).sum()
+  with jax.set_mesh(mesh):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w, y)
+  text = lowered.as_text()
+  assert all(name in text for name in ("cross_entropy_fwd", "cross_entropy_bwd_dx", "cross_entropy_bwd_dw"))
+  assert lowered.compile() is not None
