@@ -83,6 +83,11 @@ CPU_BLOCKED_FROM = 1024
 
 # Table order is auto's preference.
 IMPLS: dict[str, Impl] = {
+    # The Pallas TPU splash-attention kernel (lm/attention_softmax.py), in a shard_map over the mesh.
+    "splash":
+        Impl(functools.partial(attention_softmax.attend_splash,
+                               batch_axes=sharding.BATCH), computes="softmax", bias=False, dropout=False,
+             tile=attention_softmax.PALLAS_BLOCK, auto={"tpu": None}),
     # The Pallas TPU flash-attention kernel (lm/attention_softmax.py), in a shard_map over the mesh.
     "pallas":
         Impl(functools.partial(attention_softmax.attend_pallas, batch_axes=sharding.BATCH),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.extend import core as jax_core
 
-from lm import attention, attention_blocked, attention_core, model as model_lib
+from lm import attention, attention_blocked, attention_core, attention_softmax, model as model_lib
 
 COMBOS = list(itertools.product(attention.NORMALIZATIONS, attention.VALUE_NETWORKS))
 # 21 tokens: two full blocks of 8 and a padded third; segment 0 at the end is padding, as packing makes.
@@ -127,6 +127,23 @@ def test_chunked_resets_at_every_segment_inside_a_chunk():
 
 
 @pytest.mark.parametrize("causal", [True, False])
+def test_splash_equals_reference_in_interpret_mode(causal):
+  """The TPU splash kernel run by Pallas's interpreter: the same outputs and gradients as the
+  definition, packed segments included (no bias: splash takes none)."""
+  q, k, v, cotangent = (
+      jax.random.normal(key, (2, 128, 2, 64)) for key in jax.random.split(jax.random.key(3), 4))
+  segment_ids = jnp.asarray([[0] * 50 + [1] * 78, [0] * 128])
+  splash = lambda q, k, v: attention_softmax.attend_splash(q, k, v, causal=causal, segment_ids=segment_ids,
+                                                           interpret=True)
+  reference = lambda q, k, v: attention.attend(q, k, v, **attention.preset("softmax"), causal=causal,
+                                               segment_ids=segment_ids)
+  (out, pull), (out_ref, pull_ref) = (jax.vjp(f, q, k, v) for f in (splash, reference))
+  np.testing.assert_allclose(out, out_ref, rtol=1e-4, atol=1e-5)
+  for name, g, g_ref in zip(("dq", "dk", "dv"), pull(cotangent), pull_ref(cotangent)):
+    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("causal", [True, False])
 def test_dot_product_softmax_equals_reference(causal):
   impl = lambda q, k, v, **kw: attention.attend(q, k, v, **kw, impl="dot_product")
   _assert_same(impl, attention.preset("softmax"), segment_ids=SEGMENTS_BT, bias=True, causal=causal)
@@ -145,7 +162,8 @@ def test_auto_picks_a_memory_linear_implementation_for_every_variant(dropout):
   for name in attention.PRESETS:
     chosen = _chosen(name, dropout=dropout)
     assert all(attention.IMPLS[chosen[p]].memory_linear for p in ("cpu", "tpu")), (name, chosen)
-  assert _chosen("softmax") == {"cpu": "blocked", "tpu": "pallas", "gpu": "dot_product"}
+  assert _chosen("softmax") == {"cpu": "blocked", "tpu": "splash", "gpu": "dot_product"}
+  assert _chosen("softmax", bias=True)["tpu"] == "pallas"  # splash takes no bias
   assert _chosen("softmax", t=512)["cpu"] == "dot_product"
   assert set(_chosen("linear").values()) == {"chunked"} and set(_chosen("hyla").values()) == {"blocked"}
   assert set(_chosen("linear", bias=True).values()) == {"blocked"}
@@ -213,14 +231,15 @@ def _tpu_topology():
 
 def test_auto_compiles_the_pallas_kernel_for_tpu():
   """Softmax under impl auto, compiled ahead of time for a v5e mesh (batch and heads sharded), runs the
-  Pallas kernel forward and backward; HYLA's blocked kernel compiles for the same mesh."""
+  splash kernel forward and backward; HYLA's blocked kernel compiles for the same mesh."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   topology = _tpu_topology()
   mesh = Mesh(np.asarray(topology.devices).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
   x = jax.ShapeDtypeStruct((4, 256, 4, 64), jnp.bfloat16,
                            sharding=NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
   seg = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
-  for preset, kernels in (("softmax", 3), ("hyla", 0)):
+  # softmax: the splash kernel forward and its fused backward.
+  for preset, kernels in (("softmax", 2), ("hyla", 0)):
     loss = lambda q, k, v, s: attention.attend(q, k, v, **attention.preset(preset), segment_ids=s, impl="auto"
                                               ).sum()
     with jax.set_mesh(mesh):
