@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm import attention, checkpointing, flops, model as model_lib
+from lm import attention, checkpointing, cross_entropy, flops, model as model_lib
 
 
 def _model(**kw):
@@ -53,6 +53,19 @@ def test_tied_embeddings_drop_the_output_matrix():
   untied = model_lib.count_params(_model()[1])
   tied = model_lib.count_params(_model(tied_embeddings=True)[1])
   assert untied - tied == 32 * 50
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_readout_forms_the_models_logits(tied):
+  """What the language-modelling loss gets instead of logits (return_readout) forms the same logits,
+  and its cross-entropy is the one of those logits."""
+  model, params, tokens = _model(tied_embeddings=tied)
+  logits = model.apply({"params": params}, tokens)
+  readout = model.apply({"params": params}, tokens, return_readout=True)
+  assert readout.w_dv.shape == (32, 50) and readout.scale == (32**-0.5 if tied else 1.0)
+  np.testing.assert_array_equal(readout.logits().astype(jnp.float32), logits)
+  np.testing.assert_array_equal(cross_entropy.readout_nll(*readout, tokens, impl="xla"),
+                                cross_entropy.token_nll(logits, tokens))
 
 
 def test_latent_codes_are_the_normalised_scores_and_do_not_change_outputs():
