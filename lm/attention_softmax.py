@@ -9,8 +9,6 @@ less HBM traffic per layer and step on a v5e chip for configs/c4_50m.py (docs/co
 applies attention dropout. Which one runs where is lm/attention.py's table.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
@@ -76,8 +74,9 @@ def attend_splash(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = Tr
   return _per_device(local, q, k, v, segment_ids, None, batch_axes)
 
 
-@functools.cache
 def _splash_kernel(T: int, H: int, causal: bool, interpret: bool):
+  # Made afresh in every trace: the kernel holds arrays of its mask's block structure, and a kernel
+  # cached across traces would carry one trace's values into another.
   block = next(b for b in (SPLASH_MAX_BLOCK, 256, PALLAS_BLOCK) if T % b == 0)
   mask = splash_mask.MultiHeadMask([(splash_mask.CausalMask if causal else splash_mask.FullMask)((T, T))] * H)
   blocks = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,

@@ -143,6 +143,16 @@ def test_splash_equals_reference_in_interpret_mode(causal):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+def test_auto_softmax_traces_again_at_a_length_splash_tiles():
+  """On CPU, auto still traces the TPU branch (splash) of softmax attention: a second trace, as
+  lm-train's initialisation then train step make, must not meet values of the first."""
+  q = jax.random.normal(jax.random.key(0), (1, 128, 2, 16))
+  attend = lambda q: attention.attend(q, q, q, **attention.preset("softmax"), impl="auto")
+  first = jax.jit(attend)(q)
+  np.testing.assert_allclose(jax.jit(lambda q: attend(q) * 2)(q), 2 * first, rtol=1e-6)
+  assert jax.grad(lambda q: attend(q).sum())(q).shape == q.shape
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_dot_product_softmax_equals_reference(causal):
   impl = lambda q, k, v, **kw: attention.attend(q, k, v, **kw, impl="dot_product")
