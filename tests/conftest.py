@@ -1,6 +1,7 @@
 """Shared fixtures: a small generated corpus in C4's record format with its own tokenizer; a GCS
 API emulator and fresh gs:// directories on it."""
 
+import os
 import socket
 import sys
 import uuid
@@ -61,3 +62,14 @@ def gcs(tmp_path_factory):
 def gs_dir(gcs, request):
   """A fresh gs:// directory on the emulator, like tmp_path."""
   return f"gs://{BUCKET}/{request.node.originalname}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def v5e_2x2():
+  """A 4-chip TPU v5e topology to compile for on this CPU host (libtpu's compile-only client)."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies
+  try:
+    return topologies.get_topology_desc("v5e:2x2", "tpu")
+  except (RuntimeError, NotImplementedError) as e:
+    pytest.skip(f"no libtpu to compile for TPU (pip install -e '.[tpu]'): {e}")

@@ -1,7 +1,6 @@
 """The fast attention implementations against impl="reference": values, gradients, memory, kernels."""
 
 import itertools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -230,20 +229,11 @@ def test_shapes_an_impl_cannot_take_fail_clearly(impl, kw, message):
     attention.attend(q, k, v, **knobs, **kw, impl=impl)
 
 
-def _tpu_topology():
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from jax.experimental import topologies
-  try:
-    return topologies.get_topology_desc("v5e:2x2", "tpu")
-  except (RuntimeError, NotImplementedError) as e:
-    pytest.skip(f"no libtpu to compile for TPU (pip install -e '.[tpu]'): {e}")
-
-
-def test_auto_compiles_the_pallas_kernel_for_tpu():
+def test_auto_compiles_the_pallas_kernel_for_tpu(v5e_2x2):
   """Softmax under impl auto, compiled ahead of time for a v5e mesh (batch and heads sharded), runs the
   splash kernel forward and backward; HYLA's blocked kernel compiles for the same mesh."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  topology = _tpu_topology()
+  topology = v5e_2x2
   mesh = Mesh(np.asarray(topology.devices).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
   x = jax.ShapeDtypeStruct((4, 256, 4, 64), jnp.bfloat16,
                            sharding=NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
