@@ -71,7 +71,7 @@ def entry_operations(hlo: str) -> list[tuple[str, str, int, str]]:
       continue
     m = _INSTRUCTION.match(line)
     if not m:
-      if entry and line.startswith("}"):
+      if entry and line.rstrip() == "}":  # the computation's end (kernels' attributes may span lines)
         entry = False
       continue
     name, shape, opcode, operands, rest = m.groups()
