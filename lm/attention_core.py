@@ -91,11 +91,35 @@ def masked_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, bias: jax.Array | None,
   scale = q_bqhd.shape[-1]**-0.5
   s_bhqk = jnp.einsum("bqhd,bkhd->bhqk", q_bqhd, k_bkhd, preferred_element_type=jnp.float32) * scale
   if bias is not None:
-    s_bhqk = s_bhqk + bias.astype(jnp.float32)
+    s_bhqk = _add_bias(s_bhqk, bias)
   if mask is not None:
     # Zeroing before σ is what keeps masked entries out of the RMS over heads as well.
     s_bhqk = jnp.where(mask, s_bhqk, 0.0)
   return s_bhqk
+
+
+@jax.custom_vjp
+def _add_bias(s_bhqk: jax.Array, bias: jax.Array) -> jax.Array:
+  return s_bhqk + bias.astype(s_bhqk.dtype)
+
+
+def _add_bias_fwd(s_bhqk, bias):
+  return _add_bias(s_bhqk, bias), bias
+
+
+def _add_bias_bwd(bias, ds_bhqk):
+  """The bias's gradient: ds summed over the axes the bias is broadcast along. The batch sum is a
+  product with a vector of ones, because XLA's CPU library fusion (YNNPACK) reduces a leading axis
+  about 20x slower than it multiplies ([128, 16, 36, 36]: 5.4 ms against 0.22 ms)."""
+  bias_4 = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+  ds = ds_bhqk
+  if bias_4.shape[0] == 1 and ds.shape[0] > 1:
+    ds = jnp.einsum("b,bhqk->hqk", jnp.ones(ds.shape[:1], ds.dtype), ds)[None]
+  axes = tuple(i for i in range(4) if bias_4.shape[i] == 1 and ds.shape[i] > 1)
+  return ds_bhqk, jnp.sum(ds, axes, keepdims=True).reshape(bias.shape).astype(bias.dtype)
+
+
+_add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 
 
 def rms_head(s_bhqk: jax.Array) -> tuple[jax.Array, jax.Array]:

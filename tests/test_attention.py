@@ -136,6 +136,26 @@ def test_bias_is_added_before_normalisation():
   np.testing.assert_allclose(a[..., 0], 1.0, atol=1e-6)  # the bias dominates every query's row
 
 
+@pytest.mark.parametrize("bias_shape", [(1, 2, 10, 10), (3, 2, 10, 10), (2, 10, 10), (1, 1, 10, 10),
+                                        (3, 1, 10, 10)])
+def test_a_broadcast_bias_gets_the_gradient_of_the_plain_sum(bias_shape):
+  # The bias's gradient is summed over the batch by a product with ones (a faster form on CPU): it must
+  # equal what differentiating the plain broadcast sum gives, for every shape a bias may have.
+  q, k, _ = _qkv(B=3, H=2)
+  bias = jax.random.normal(jax.random.key(7), bias_shape)
+  w_bhqk = jax.random.normal(jax.random.key(8), (3, 2, 10, 10))
+  ours = lambda b: jnp.sum(attention_core.masked_scores(q, k, b, None)**2 * w_bhqk)
+  plain = lambda b: jnp.sum((attention_core.masked_scores(q, k, None, None) + b)**2 * w_bhqk)
+  np.testing.assert_allclose(ours(bias), plain(bias), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(ours)(bias), jax.grad(plain)(bias), rtol=1e-5, atol=1e-5)
+  q_grads = [
+      jax.grad(lambda q, f=f: jnp.sum(f(q)**2))(q)
+      for f in (lambda q: attention_core.masked_scores(q, k, bias, None),
+                lambda q: attention_core.masked_scores(q, k, None, None) + bias)
+  ]
+  np.testing.assert_allclose(*q_grads, rtol=1e-5, atol=1e-5)
+
+
 def test_presets_cover_the_paper_ablations():
   knobs = {n: attention.preset(n) for n in attention.PRESETS}
   assert knobs["softmax"] == dict(normalization="softmax", value_network="linear", nonlinearity="relu")
