@@ -44,6 +44,8 @@ _WORKER = flags.DEFINE_enum("worker", None, ["loop", "steps", "matmuls"], "Measu
 _TOKENS = flags.DEFINE_string("tokens", "", "With --worker: also save the token rows here (.npy).")
 _PROFILE = flags.DEFINE_string("profile", None, "With --worker=steps: trace 3 steps into this directory.")
 _FUSION = flags.DEFINE_string("cpu_library_fusion", None, "With --worker: this config.cpu_library_fusion.")
+_CROSS_ENTROPY = flags.DEFINE_string("cross_entropy_impl", None,
+                                     "With --worker: this train.cross_entropy_impl.")
 
 # What our CPU default (configs/base.py cpu_library_fusion) sets, as an XLA flag for NanoDO's process.
 OUR_XLA_FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
@@ -65,6 +67,8 @@ def config(steps: int):
   c.compilation_cache = "none"
   if _FUSION.value is not None:
     c.cpu_library_fusion = _FUSION.value
+  if _CROSS_ENTROPY.value is not None:
+    c.train.cross_entropy_impl = _CROSS_ENTROPY.value
   return c
 
 
@@ -202,6 +206,8 @@ def drive() -> None:
       "NanoDO": (nanodo, ""),
       "ours (lm-train loop)": (ours + ["--worker=loop"], ""),
       "ours (step loop), XLA's default CPU fusion": (ours + ["--worker=steps", "--cpu_library_fusion="], ""),
+      "ours (step loop), the plain cross-entropy (`xla`)":
+          (ours + ["--worker=steps", "--cross_entropy_impl=xla"], ""),
       "NanoDO with our XLA CPU option": (nanodo, OUR_XLA_FLAG),
       "the step's matrix products alone (with our XLA CPU option)":
           (ours + ["--worker=matmuls"], OUR_XLA_FLAG),

@@ -6,7 +6,9 @@ vocabulary block by block keeping a running max, sum of exponentials and the tar
 and two backward kernels recompute each block's logits to form its gradient, one accumulating dx over
 vocabulary blocks, one accumulating dw over token blocks. At V = 32,000 the logits of a v5e chip's
 8,192 tokens are 1 GB in float32, read and written several times per step by the "xla" form; the
-kernels trade that traffic for recomputing the readout's product twice in the backward pass.
+kernels trade that traffic for recomputing the readout's product twice in the backward pass. The
+"fused" one (XLA, CPU's choice) walks the tokens in blocks and forms each block's gradient in the same
+pass as its loss, for the weighted sum of the losses (readout_loss), whose gradient is that sum's.
 """
 
 import functools
@@ -21,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from lm import sharding
 
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("auto", "xla", "pallas", "fused")
 LANES = 128
 # Block sizes (tokens; vocabulary: the largest multiple of 128 up to the maximum that divides V). The
 # forward and dx kernels read all of w once per token block, the dw kernel all of x once per
@@ -29,6 +31,8 @@ LANES = 128
 BLOCK_TOKENS, MAX_BLOCK_VOCAB = 2048, 1024
 BLOCK_TOKENS_DW, MAX_BLOCK_VOCAB_DW = 256, 4096
 VMEM_LIMIT = 64 * 2**20
+# Tokens per step of the fused form's loop: [512, V] float32 logits at a time.
+FUSED_BLOCK = 512
 
 
 class Readout(NamedTuple):
@@ -68,6 +72,26 @@ def pallas_problem(tokens: int, V: int) -> str | None:
   return None
 
 
+def readout_loss(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: jax.Array,
+                 weights_bt: jax.Array, *, impl: str = "auto", batch_axes: tuple[str, ...] = sharding.BATCH,
+                 interpret: bool = False) -> jax.Array:
+  """Σ_bt weights_bt · nll_bt, a float32 scalar, with nll_bt = readout_nll(...). "fused" computes the
+  sum's gradient in its forward pass; "auto" takes it on CPU (the others as readout_nll's "auto")."""
+  _check(impl)
+  plain = lambda x, w, t, wt, impl="auto": (readout_nll(x, w, scale, t, impl=impl, batch_axes=batch_axes,
+                                                        interpret=interpret) * wt).sum()
+  if impl in ("xla", "pallas"):
+    return plain(x_btd, w_dv, targets_bt, weights_bt, impl)
+  rows = _mesh_rows(batch_axes)[0]
+  # One partial sum per device, summed outside: each device's gradient then scales by its own cotangent.
+  per_device = _per_device(lambda x, w, t, wt: _fused_sum(x, w, t, wt, scale=scale)[None], rows,
+                           in_specs=(P(rows), P(), P(rows), P(rows)), out_specs=P(rows))
+  fused = lambda *args: per_device(*args).sum()
+  if impl == "fused":
+    return fused(x_btd, w_dv, targets_bt, weights_bt)
+  return jax.lax.platform_dependent(x_btd, w_dv, targets_bt, weights_bt, cpu=fused, default=plain)
+
+
 def readout_nll(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: jax.Array, *, impl: str = "auto",
                 batch_axes: tuple[str, ...] = sharding.BATCH, interpret: bool = False) -> jax.Array:
   """token_nll(scale · x_btd @ w_dv, targets_bt), float32 [B, T]; x and w in the compute dtype. "xla"
@@ -75,25 +99,94 @@ def readout_nll(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: jax
   float32. "auto" takes the kernels when lowering for TPU and the shapes tile, "xla" otherwise. Under a
   mesh the kernels run on each device's rows (shard_map over the mesh axes in `batch_axes`; w whole on
   every device)."""
-  if impl not in IMPLS:
-    raise ValueError(f"unknown train.cross_entropy_impl {impl!r}; choose one of: {', '.join(IMPLS)}")
-  mesh = jax.sharding.get_abstract_mesh()
-  rows = () if mesh.empty else tuple(a for a in batch_axes if a in mesh.axis_names)
-  shards = math.prod(mesh.shape[a] for a in rows)
+  _check(impl)
+  if impl == "fused":
+    raise ValueError("train.cross_entropy_impl 'fused' gives the weighted sum of the losses (readout_loss), "
+                     "not each token's")
+  rows, shards = _mesh_rows(batch_axes)
   problem = pallas_problem(targets_bt.size // shards, w_dv.shape[1])
   if impl == "pallas" and problem:
     raise ValueError(f"train.cross_entropy_impl 'pallas': {problem}; use 'auto' or 'xla'")
   xla = lambda x, w, t: token_nll(Readout(x, w, scale).logits(), t)
   if impl == "xla" or problem:
     return xla(x_btd, w_dv, targets_bt)
-  kernels = functools.partial(_pallas_nll, scale=scale, interpret=interpret)
-  if rows:
-    # check_vma off: the kernels declare their outputs without per-axis variance annotations.
-    kernels = jax.shard_map(kernels, in_specs=(P(rows), P(), P(rows)), out_specs=P(rows), check_vma=False)
+  kernels = _per_device(functools.partial(_pallas_nll, scale=scale, interpret=interpret), rows,
+                        in_specs=(P(rows), P(), P(rows)), out_specs=P(rows))
   if impl == "pallas":
     return kernels(x_btd, w_dv, targets_bt)
   # The platform being lowered for decides, so a step compiled for TPU on a CPU host gets the kernels.
   return jax.lax.platform_dependent(x_btd, w_dv, targets_bt, tpu=kernels, default=xla)
+
+
+def _check(impl: str) -> None:
+  if impl not in IMPLS:
+    raise ValueError(f"unknown train.cross_entropy_impl {impl!r}; choose one of: {', '.join(IMPLS)}")
+
+
+def _mesh_rows(batch_axes: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
+  """The mesh axes among `batch_axes` that split the rows, and how many shards they make."""
+  mesh = jax.sharding.get_abstract_mesh()
+  rows = () if mesh.empty else tuple(a for a in batch_axes if a in mesh.axis_names)
+  return rows, math.prod(mesh.shape[a] for a in rows)
+
+
+def _per_device(fn, rows: tuple[str, ...], *, in_specs, out_specs):
+  """fn on each device's rows when a mesh splits them (w, given as P(), whole on every device)."""
+  if not rows:
+    return fn
+  # check_vma off: the kernels declare their outputs without per-axis variance annotations.
+  return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _fused_sum(x_btd, w_dv, targets_bt, weights_bt, *, scale):
+  """Σ weights · nll over one device's tokens, padded to whole blocks with tokens of weight 0."""
+  N = targets_bt.size
+  pad = -N % min(FUSED_BLOCK, N)
+  flat = lambda a: jnp.pad(a.reshape(N, *a.shape[2:]), [(0, pad)] + [(0, 0)] * (a.ndim - 2))
+  return _fused(flat(x_btd), w_dv, flat(targets_bt), flat(weights_bt).astype(jnp.float32), scale)
+
+
+def _fused_pass(x_nd, w_dv, targets_n, weights_n, scale):
+  """The weighted sum, each token's nll, and the sum's gradients dx and dw, block by block: each
+  block's logits are formed once and give its loss and its gradient. Autodiff of the plain form on CPU
+  writes the [N, V] logit gradient and transposes it for w's gradient; this form never holds more
+  than a block of either."""
+  (N, D), c = x_nd.shape, min(FUSED_BLOCK, x_nd.shape[0])
+  blocks = (x_nd.reshape(N // c, c, D), targets_n.reshape(N // c, c), weights_n.reshape(N // c, c))
+
+  def block(dw_dv, xs):
+    x_cd, t_c, wt_c = xs
+    logits_cv = Readout(x_cd, w_dv, scale).logits().astype(jnp.float32)
+    lse_c = jax.nn.logsumexp(logits_cv, axis=-1)
+    is_target_cv = jnp.arange(logits_cv.shape[-1]) == t_c[:, None]
+    nll_c = lse_c - jnp.where(is_target_cv, logits_cv, 0.0).sum(-1)
+    # d(Σ wt · nll) / d logits = wt · (softmax − one-hot), times the readout's scale for x and w.
+    d_cv = ((jnp.exp(logits_cv - lse_c[:, None]) - is_target_cv) * (wt_c * scale)[:, None]).astype(x_nd.dtype)
+    dx_cd = jnp.dot(d_cv, w_dv.T, preferred_element_type=jnp.float32).astype(x_nd.dtype)
+    return dw_dv + jnp.dot(x_cd.T, d_cv, preferred_element_type=jnp.float32), (nll_c, dx_cd)
+
+  dw_dv, (nll, dx) = jax.lax.scan(block, jnp.zeros(w_dv.shape, jnp.float32), blocks)
+  nll_n = nll.reshape(N)
+  return (nll_n * weights_n).sum(), nll_n, dx.reshape(N, D), dw_dv.astype(w_dv.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused(x_nd, w_dv, targets_n, weights_n, scale):
+  return _fused_pass(x_nd, w_dv, targets_n, weights_n, scale)[0]
+
+
+def _fused_fwd(x_nd, w_dv, targets_n, weights_n, scale):
+  total, nll_n, dx_nd, dw_dv = _fused_pass(x_nd, w_dv, targets_n, weights_n, scale)
+  return total, (nll_n, dx_nd, dw_dv)
+
+
+def _fused_bwd(scale, residuals, g):
+  del scale
+  nll_n, dx_nd, dw_dv = residuals
+  return (g * dx_nd).astype(dx_nd.dtype), (g * dw_dv).astype(dw_dv.dtype), None, g * nll_n
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _pallas_nll(x_btd, w_dv, targets_bt, *, scale, interpret):

@@ -104,8 +104,9 @@ class LanguageModeling:
   def loss(self, outputs, batch):
     weights_bt = batch["weights"]
     count = weights_bt.sum()
-    nll_bt = cross_entropy.readout_nll(*outputs, batch["targets"], impl=self.config.train.cross_entropy_impl)
-    return (nll_bt * weights_bt).sum() / jnp.maximum(count, 1.0), count
+    total = cross_entropy.readout_loss(*outputs, batch["targets"], weights_bt,
+                                       impl=self.config.train.cross_entropy_impl)
+    return total / jnp.maximum(count, 1.0), count
 
   def eval_sums(self, outputs, batch):
     nll_bt, weights_bt = cross_entropy.token_nll(outputs, batch["targets"]), batch["weights"]

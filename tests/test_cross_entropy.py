@@ -1,5 +1,6 @@
-"""The readout's cross-entropy: the Pallas kernels (run here in interpret mode) compute the same loss
-and gradients as the plain form, alone and under a mesh, and compile for TPU under impl auto."""
+"""The readout's cross-entropy: the Pallas kernels (run here in interpret mode) and the fused form compute
+the same loss and gradients as the plain form, alone and under a mesh; auto takes the fused form on CPU
+and compiles the kernels for TPU."""
 
 import os
 import subprocess
@@ -29,8 +30,7 @@ def _problem(dtype=jnp.float32):
 
 
 def _loss_and_grads(impl, scale, x_btd, w_dv, targets_bt, weights_bt):
-  f = lambda x, w: (cross_entropy.readout_nll(x, w, scale, targets_bt, impl=impl, interpret=True) * weights_bt
-                   ).sum()
+  f = lambda x, w: cross_entropy.readout_loss(x, w, scale, targets_bt, weights_bt, impl=impl, interpret=True)
   return jax.jit(jax.value_and_grad(f, (0, 1)))(x_btd, w_dv)
 
 
@@ -53,6 +53,32 @@ def test_kernels_equal_the_plain_form_in_float32(scale):
   np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.125])
+@pytest.mark.parametrize("tokens", [2048, 700])
+def test_the_fused_form_equals_the_plain_form(scale, tokens):
+  """Its loss and both gradients, and the gradient of the weights, in float32; 700 tokens are padded to
+  whole blocks with tokens of weight 0."""
+  x, w, y, weights = (a[:, :tokens] if a.ndim > 1 and a.shape[1] == T else a for a in _problem())
+  loss = lambda impl: jax.jit(
+      jax.value_and_grad(lambda x, w, wt: cross_entropy.readout_loss(x, w, scale, y, wt, impl=impl) * 3.0,
+                         (0, 1, 2)))(x, w, weights)
+  (got, got_grads), (want, want_grads) = loss("fused"), loss("xla")
+  assert float(got) == pytest.approx(float(want), rel=1e-6)
+  for a, b in zip(got_grads, want_grads):
+    assert a.shape == b.shape
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_fused_form_in_bfloat16_is_the_plain_form_to_bfloat16_rounding():
+  x, w, y, weights = _problem(jnp.bfloat16)
+  (got, (dx, dw)), (want, (want_dx,
+                           want_dw)) = (_loss_and_grads(i, 1.0, x, w, y, weights) for i in ("fused", "xla"))
+  assert dx.dtype == dw.dtype == jnp.bfloat16
+  assert float(got) == pytest.approx(float(want), rel=1e-3)
+  for a, b in ((dx, want_dx), (dw, want_dw)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0.05, atol=0.05)
+
+
 def test_kernels_in_bfloat16_keep_the_logits_in_float32():
   """With bfloat16 inputs the kernels are closer to the float32 loss than the plain form, which rounds
   the logits to bfloat16 as the model's forward pass does."""
@@ -68,7 +94,8 @@ def test_kernels_in_bfloat16_keep_the_logits_in_float32():
 
 
 @pytest.mark.parametrize("impl, tokens, V, message", [
-    ("fast", 2048, 256, "unknown train.cross_entropy_impl 'fast'; choose one of: auto, xla, pallas"),
+    ("fast", 2048, 256, "unknown train.cross_entropy_impl 'fast'; choose one of: auto, xla, pallas, fused"),
+    ("fused", 2048, 256, "'fused' gives the weighted sum of the losses (readout_loss), not each token's"),
     ("pallas", 2048, 300, "the vocabulary (300) is not a multiple of 128"),
     ("pallas", 1024, 256, "the tokens per device (1024) are not a multiple of 2048"),
 ])
@@ -78,15 +105,19 @@ def test_what_the_kernels_cannot_take_fails_clearly(impl, tokens, V, message):
                               jnp.zeros((1, tokens), jnp.int32), impl=impl)
 
 
-def test_auto_takes_the_plain_form_on_cpu():
-  x, w, y, _ = _problem()
-  text = jax.jit(lambda x, w: cross_entropy.readout_nll(x, w, 1.0, y)).lower(x, w).as_text()
-  assert "tpu_custom_call" not in text and "cross_entropy_fwd" not in text
+def test_auto_takes_the_plain_form_per_token_and_the_fused_form_for_the_sum_on_cpu():
+  x, w, y, weights = _problem()
+  per_token = jax.jit(lambda x, w: cross_entropy.readout_nll(x, w, 1.0, y)).lower(x, w).as_text()
+  assert "tpu_custom_call" not in per_token and "stablehlo.while" not in per_token
+  # The fused form's loop over token blocks is the only loop in the loss.
+  loss = lambda x, w: cross_entropy.readout_loss(x, w, 1.0, y, weights)
+  summed = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text()
+  assert "tpu_custom_call" not in summed and "stablehlo.while" in summed
 
 
-def test_kernels_under_a_mesh_sum_the_readouts_gradient_over_devices():
-  """Four CPU devices, rows sharded over `data`: each device's kernels see their rows only, and w's
-  gradient is the sum over devices (shard_map's transpose), equal to the unsharded gradient."""
+def test_kernels_and_the_fused_form_under_a_mesh_sum_the_readouts_gradient_over_devices():
+  """Four CPU devices, rows sharded over `data`: each device's kernels (or fused pass) see their rows
+  only, and w's gradient is the sum over devices (shard_map's transpose), equal to the unsharded one."""
   script = textwrap.dedent(f"""
       import jax, jax.numpy as jnp, numpy as np
       from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -97,12 +128,13 @@ def test_kernels_under_a_mesh_sum_the_readouts_gradient_over_devices():
       want = _loss_and_grads("xla", 0.5, x, w, y, weights)
       mesh = Mesh(np.asarray(jax.devices()).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
       rows = NamedSharding(mesh, P(("data", "fsdp")))
-      with jax.set_mesh(mesh):
-        got = _loss_and_grads("pallas", 0.5, jax.device_put(x, rows), w, jax.device_put(y, rows),
-                              jax.device_put(weights, rows))
-      np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
-      for a, b in zip(got[1], want[1]):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+      for impl in ("pallas", "fused"):
+        with jax.set_mesh(mesh):
+          got = _loss_and_grads(impl, 0.5, jax.device_put(x, rows), w, jax.device_put(y, rows),
+                                jax.device_put(weights, rows))
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+        for a, b in zip(got[1], want[1]):
+          np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
       print("equal")
       """)
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
@@ -120,7 +152,7 @@ def test_auto_compiles_the_kernels_for_tpu(v5e_2x2):
   x = jax.ShapeDtypeStruct((8, 1024, 256), jnp.bfloat16, sharding=rows)
   w = jax.ShapeDtypeStruct((256, 32_000), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
   y = jax.ShapeDtypeStruct((8, 1024), jnp.int32, sharding=rows)
-  loss = lambda x, w, y: cross_entropy.readout_nll(x, w, 1.0, y).sum()
+  loss = lambda x, w, y: cross_entropy.readout_loss(x, w, 1.0, y, jnp.ones(y.shape))
   with jax.set_mesh(mesh):
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w, y)
   text = lowered.as_text()
