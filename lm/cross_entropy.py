@@ -77,7 +77,7 @@ def readout_loss(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: ja
                  interpret: bool = False) -> jax.Array:
   """Σ_bt weights_bt · nll_bt, a float32 scalar, with nll_bt = readout_nll(...). "fused" computes the
   sum's gradient in its forward pass; "auto" takes it on CPU (the others as readout_nll's "auto")."""
-  _check(impl)
+  check_impl(impl)
   plain = lambda x, w, t, wt, impl="auto": (readout_nll(x, w, scale, t, impl=impl, batch_axes=batch_axes,
                                                         interpret=interpret) * wt).sum()
   if impl in ("xla", "pallas"):
@@ -99,7 +99,7 @@ def readout_nll(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: jax
   float32. "auto" takes the kernels when lowering for TPU and the shapes tile, "xla" otherwise. Under a
   mesh the kernels run on each device's rows (shard_map over the mesh axes in `batch_axes`; w whole on
   every device)."""
-  _check(impl)
+  check_impl(impl)
   if impl == "fused":
     raise ValueError("train.cross_entropy_impl 'fused' gives the weighted sum of the losses (readout_loss), "
                      "not each token's")
@@ -118,7 +118,7 @@ def readout_nll(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: jax
   return jax.lax.platform_dependent(x_btd, w_dv, targets_bt, tpu=kernels, default=xla)
 
 
-def _check(impl: str) -> None:
+def check_impl(impl: str) -> None:
   if impl not in IMPLS:
     raise ValueError(f"unknown train.cross_entropy_impl {impl!r}; choose one of: {', '.join(IMPLS)}")
 

@@ -15,7 +15,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from data_pipelines import pipeline
-from lm import model as model_lib, optimizer as optimizer_lib, sharding, stats, tasks
+from lm import cross_entropy, model as model_lib, optimizer as optimizer_lib, sharding, stats, tasks
 
 
 @flax.struct.dataclass
@@ -90,6 +90,7 @@ class Experiment:
                        f"batch shards of the mesh (data x fsdp); choose a multiple of {shards}")
     self.compiler_options = cpu_compiler_options(config.get("cpu_library_fusion", ""),
                                                  self.mesh.devices.flat[0].platform)
+    cross_entropy.check_impl(config.train.cross_entropy_impl)
     if config.train.on_nonfinite not in ("stop", "skip"):
       raise ValueError(f"unknown train.on_nonfinite {config.train.on_nonfinite!r}; choose stop or skip")
     # The state as created, each parameter (and optimiser moment) boxed with its logical axes.

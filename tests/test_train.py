@@ -229,6 +229,13 @@ def test_initialisation_leaves_the_choice_of_kernel_to_the_run():
     Experiment(c)
 
 
+def test_an_unknown_cross_entropy_impl_fails_when_the_experiment_is_built():
+  c = tiny.get_config()
+  c.train.cross_entropy_impl = "fast"
+  with pytest.raises(ValueError, match="unknown train.cross_entropy_impl 'fast'; choose one of: auto, xla"):
+    Experiment(c)
+
+
 def test_the_cpu_library_fusion_reaches_the_compiled_steps_and_changes_no_number():
   """configs/base.py hands element-wise work and reductions to YNNPACK on CPU: the train step compiled
   with it writes far fewer element-wise results in a transposed layout (XLA's `copy_bitcast` fusions,
