@@ -69,14 +69,17 @@ def test_the_fused_form_equals_the_plain_form(scale, tokens):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_the_fused_form_in_bfloat16_is_the_plain_form_to_bfloat16_rounding():
+def test_the_fused_form_in_bfloat16_is_as_close_to_float32_as_the_plain_form():
+  """Both round the logits to bfloat16; the fused form's gradients are no further from float32's than
+  the plain form's (measured: 0.3-0.5% of the largest entry, the plain form's 0.5-1.2%)."""
   x, w, y, weights = _problem(jnp.bfloat16)
-  (got, (dx, dw)), (want, (want_dx,
-                           want_dw)) = (_loss_and_grads(i, 1.0, x, w, y, weights) for i in ("fused", "xla"))
-  assert dx.dtype == dw.dtype == jnp.bfloat16
-  assert float(got) == pytest.approx(float(want), rel=1e-3)
-  for a, b in ((dx, want_dx), (dw, want_dw)):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0.05, atol=0.05)
+  _, exact = _loss_and_grads("xla", 1.0, x.astype(jnp.float32), w.astype(jnp.float32), y, weights)
+  (got, grads), (want, plain) = (_loss_and_grads(i, 1.0, x, w, y, weights) for i in ("fused", "xla"))
+  assert grads[0].dtype == grads[1].dtype == jnp.bfloat16
+  assert float(got) == pytest.approx(float(want), rel=1e-4)
+  error = lambda a, b: float(np.abs(np.asarray(a, np.float32) - b).max() / np.abs(b).max())
+  for ours, theirs, e in zip(grads, plain, exact):
+    assert error(ours, e) < 0.01 and error(ours, e) <= error(theirs, e)
 
 
 def test_kernels_in_bfloat16_keep_the_logits_in_float32():
