@@ -70,8 +70,8 @@ def test_the_fused_form_equals_the_plain_form(scale, tokens):
 
 
 def test_the_fused_form_in_bfloat16_is_as_close_to_float32_as_the_plain_form():
-  """Both round the logits to bfloat16; the fused form's gradients are no further from float32's than
-  the plain form's (measured: 0.3-0.5% of the largest entry, the plain form's 0.5-1.2%)."""
+  """Both form the logits in the compute dtype; the fused form's gradients are no further from float32's
+  than the plain form's (measured: 0.3-0.5% of the largest entry, the plain form's 0.5-1.2%)."""
   x, w, y, weights = _problem(jnp.bfloat16)
   _, exact = _loss_and_grads("xla", 1.0, x.astype(jnp.float32), w.astype(jnp.float32), y, weights)
   (got, grads), (want, plain) = (_loss_and_grads(i, 1.0, x, w, y, weights) for i in ("fused", "xla"))
@@ -86,14 +86,14 @@ def test_kernels_in_bfloat16_keep_the_logits_in_float32():
   """With bfloat16 inputs the kernels are closer to the float32 loss than the plain form, which rounds
   the logits to bfloat16 as the model's forward pass does."""
   x, w, y, weights = _problem(jnp.bfloat16)
-  exact, _ = _loss_and_grads("xla", 1.0, x.astype(jnp.float32), w.astype(jnp.float32), y, weights)
+  exact, exact_grads = _loss_and_grads("xla", 1.0, x.astype(jnp.float32), w.astype(jnp.float32), y, weights)
   bf16 = (x, w, y, weights)
-  (kernels, (dx, dw)), (plain, (want_dx,
-                                want_dw)) = (_loss_and_grads(impl, 1.0, *bf16) for impl in ("pallas", "xla"))
-  assert dx.dtype == dw.dtype == jnp.bfloat16
+  (kernels, grads), (plain, _) = (_loss_and_grads(impl, 1.0, *bf16) for impl in ("pallas", "xla"))
+  assert grads[0].dtype == grads[1].dtype == jnp.bfloat16
   assert abs(float(kernels) - float(exact)) < abs(float(plain) - float(exact))
-  np.testing.assert_allclose(np.asarray(dw, np.float32), np.asarray(want_dw, np.float32), rtol=0.05,
-                             atol=0.05)
+  # Gradients within bfloat16's rounding of float32's (measured: 0.3-0.4% of the largest entry).
+  for ours, e in zip(grads, exact_grads):
+    assert float(np.abs(np.asarray(ours, np.float32) - e).max() / np.abs(e).max()) < 0.01
 
 
 @pytest.mark.parametrize("impl, tokens, V, message", [
