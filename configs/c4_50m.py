@@ -24,6 +24,9 @@ def get_config():
   # 51,655,680 parameters (lm-train prints the count at start).
   c.model.update(V=32_000, D=512, H=8, L=6, F=2048, positions="rotary", tied_embeddings=False, max_len=512,
                  dtype="bfloat16")
+  # The v5e step is bound by memory traffic, not FLOPs: recomputing each MLP's hidden in the backward
+  # pass cuts the compiler's bytes per chip from 20.4 GB to 18.3 (docs/compile_table.md).
+  c.model.remat = "mlp"
   c.data.update(source="c4", dir="gs://BUCKET/tensorflow_datasets", tokenizer=T5_VOCAB, seq_len=512,
                 threads=8)
   # AdamW, 1000 warmup steps, cosine decay to 0.1x the peak (NanoDO's defaults).

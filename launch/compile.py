@@ -165,7 +165,7 @@ def format_report(r: dict) -> str:
   if "compiler_message" in r:
     fix = ("shard the state: mesh.fsdp (width) or mesh.tensor (heads, MLP, vocabulary)"
            if r["argument_bytes"] > r["hbm_bytes"] /
-           2 else "lower train.batch_size, raise train.microbatches, or set model.remat=True")
+           2 else "lower train.batch_size, raise train.microbatches, or set model.remat=block")
     return "\n".join(lines + [
         f"  arguments (state and batch)  {_gib(r['argument_bytes'])}",
         f"  DOES NOT FIT in {_gib(r['hbm_bytes'])} of HBM; the compiler says: {r['compiler_message']}",

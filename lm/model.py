@@ -16,6 +16,8 @@ from lm import attention, cross_entropy, decode_cache, sharding
 
 POSITIONS = ("rotary", "relative_bias", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# What the backward pass recomputes instead of reading back from memory (docs/compile_table.md).
+REMATS = ("none", "mlp", "block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +42,13 @@ class ModelConfig:
   tied_embeddings: bool = False
   input_dim: int = 0  # >0: inputs are float vectors of this width instead of token ids
   dtype: str = "float32"  # compute dtype; parameters stay float32
-  remat: bool = False
+  remat: str = "none"  # a name in REMATS
 
   def __post_init__(self):
+    if isinstance(self.remat, bool):  # configs saved before remat named what it recomputes
+      object.__setattr__(self, "remat", "block" if self.remat else "none")
+    if self.remat not in REMATS:
+      raise ValueError(f"unknown model.remat {self.remat!r}; choose one of: {', '.join(REMATS)}")
     if not 0.0 <= self.attention_dropout < 1.0:
       raise ValueError(f"model.attention_dropout must be in [0, 1), got {self.attention_dropout}")
     call = attention.Call(None, None, self.causal, bias=self.positions == "relative_bias",
@@ -188,7 +194,13 @@ class Mlp(nn.Module):
     cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
     wi_df = self.param("wi", _init(cfg.D**-0.5, "embed", "mlp"), (cfg.D, cfg.F)).astype(dtype)
     wo_fd = self.param("wo", _init((cfg.F * 2 * cfg.L)**-0.5, "mlp", "embed"), (cfg.F, cfg.D)).astype(dtype)
-    return jax.nn.gelu(x_btd @ wi_df) @ wo_fd
+    mlp = lambda x_btd, wi_df, wo_fd: jax.nn.gelu(x_btd @ wi_df) @ wo_fd
+    if cfg.remat == "mlp":
+      # The backward pass forms the [B, T, F] hidden again from x rather than writing it to memory and
+      # reading it back: a third more MLP FLOPs for two fewer passes over the model's widest activation,
+      # a gain where the step is bound by memory traffic (TPU), a loss where it is bound by FLOPs (CPU).
+      mlp = jax.checkpoint(mlp)
+    return mlp(x_btd, wi_df, wo_fd)
 
 
 class Block(nn.Module):
@@ -256,7 +268,8 @@ class Transformer(nn.Module):
           self.param(name, _init(0.02, None, None), (cfg.relative_buckets, cfg.H))[bucket_bqk], -1, 1)
       if not cfg.relative_bias_per_layer:
         bias_bhqk = relative_bias("relative_bias")  # one table shared by all layers, as in T5
-    block = nn.remat(Block) if cfg.remat and not self.decode_len else Block  # remat saves only for gradients
+    block = nn.remat(
+        Block) if cfg.remat == "block" and not self.decode_len else Block  # remat saves only for gradients
     x_btd = sharding.constrain_batch(x_btd)
     for i in range(cfg.L):
       if cfg.positions == "relative_bias" and cfg.relative_bias_per_layer:

@@ -284,7 +284,7 @@ def _out_of_memory(e: BaseException) -> str | None:
   if not (isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)):
     return None
   return (f"out of device memory ({str(e).splitlines()[0][:200]}); raise train.microbatches, lower "
-          f"train.batch_size or data.seq_len, use a smaller model or set model.remat (lm-compile "
+          f"train.batch_size or data.seq_len, use a smaller model or set model.remat=block (lm-compile "
           f"--topology=... prints the memory a chip needs before a run)")
 
 

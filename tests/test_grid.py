@@ -55,21 +55,22 @@ def test_mean_stderr_over_seeds():
 
 def test_space_and_equals_overrides_give_the_same_runs():
   argv = [
-      "--config=" + TINY, "--config.model.D", "48", "--config.data.dir", "/some/dir", "--config.model.remat",
-      "--config.train.lr=1e-2"
+      "--config=" + TINY, "--config.model.D", "48", "--config.data.dir", "/some/dir",
+      "--config.model.relative_bias_per_layer", "--config.train.lr=1e-2"
   ]
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file("config", None, "", flag_values=fv, sys_argv=["x", *argv])
   fv(["x", *argv])
   overrides = grid.normalize_overrides(argv, fv)
   assert overrides == [
-      "--config.model.D=48", "--config.data.dir=/some/dir", "--config.model.remat", "--config.train.lr=1e-2"
+      "--config.model.D=48", "--config.data.dir=/some/dir", "--config.model.relative_bias_per_layer",
+      "--config.train.lr=1e-2"
   ]
   _, points = grid.plan(TINY, overrides, ["softmax", "linear"], ["0"], {})
   for p in points:
     c = p["config"]
-    assert (c.model.attention, c.model.D, c.data.dir, c.model.remat, c.train.lr) == (p["preset"], 48,
-                                                                                     "/some/dir", True, 1e-2)
+    assert (c.model.attention, c.model.D, c.data.dir, c.model.relative_bias_per_layer,
+            c.train.lr) == (p["preset"], 48, "/some/dir", True, 1e-2)
   assert points[1]["args"][-2:] == ["--config.model.attention=linear", "--config.seed=0"]
 
 

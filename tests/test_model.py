@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import ad_checkpoint
 
 from lm import attention, checkpointing, cross_entropy, flops, model as model_lib
 
@@ -113,14 +114,37 @@ def test_rotary_preserves_norms_and_depends_on_relative_offset():
 def test_remat_and_bfloat16_keep_the_function():
   m, params, tokens_bt = _model(attention="hyla")
   ref = m.apply({"params": params}, tokens_bt)
-  remat = model_lib.Transformer(
-      model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla", remat=True))
-  np.testing.assert_allclose(remat.apply({"params": params}, tokens_bt), ref, rtol=1e-5, atol=1e-5)
+  loss = lambda model: lambda p: jnp.sum(model.apply({"params": p}, tokens_bt)**2)
+  ref_grads = jax.grad(loss(m))(params)
+  for remat in ("mlp", "block"):
+    recompute = model_lib.Transformer(
+        model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla", remat=remat))
+    np.testing.assert_allclose(recompute.apply({"params": params}, tokens_bt), ref, rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+                 jax.grad(loss(recompute))(params), ref_grads)
   bf16 = model_lib.Transformer(
       model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla", dtype="bfloat16"))
   out = bf16.apply({"params": params}, tokens_bt)
   assert out.dtype == jnp.float32 and np.abs(np.asarray(out) - np.asarray(ref)).max() < 0.1
   assert jax.tree.leaves(params)[0].dtype == jnp.float32
+
+
+def test_remat_mlp_keeps_no_hidden_for_the_backward_pass(capsys):
+  """remat="mlp" saves the MLP's input, not its [B, T, F] hidden (F = 96 is no other dimension here)."""
+  saved = {}
+  for remat in ("none", "mlp"):
+    m, params, tokens_bt = _model(F=96, remat=remat)
+    ad_checkpoint.print_saved_residuals(lambda p: jnp.sum(m.apply({"params": p}, tokens_bt)), params)
+    saved[remat] = capsys.readouterr().out
+  assert "[2,12,96]" in saved["none"] and "[2,12,96]" not in saved["mlp"]
+
+
+def test_remat_names_what_it_recomputes():
+  # Configs saved before remat took a name held a bool: they still load, meaning the same.
+  assert model_lib.ModelConfig(V=50, remat=True).remat == "block"
+  assert model_lib.ModelConfig(V=50, remat=False).remat == "none"
+  with pytest.raises(ValueError, match="unknown model.remat 'mpl'; choose one of: none, mlp, block"):
+    model_lib.ModelConfig(V=50, remat="mpl")
 
 
 def test_hybrid_layers_compute_what_their_presets_compute():
