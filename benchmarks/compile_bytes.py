@@ -144,8 +144,7 @@ def count_blocked_tiles(exp: Experiment, devices) -> None:
     missed += tiles * tile - counted
     layers += 1
   step_bytes = r["compiler_bytes"] + missed
-  seconds = max(
-      max(r["compiler_flops"], r["model_flops"]) / r["peak_flops"], step_bytes / r["hbm_bytes_per_second"])
+  seconds = max(compile_lib.roofline(r, step_bytes))
   print(f"{FLAGS.topology}, attention {r['attention']}: {layers} of {cfg.L} layers run the blocked kernel; "
         f"the step's count {r['compiler_bytes'] / 1e9:.2f} GB, with every tile {step_bytes / 1e9:.2f} GB per "
         f"chip and step; estimate {seconds * 1e3:.1f} ms per step, {seconds * r['steps'] / 3600:.1f} h for "

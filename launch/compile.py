@@ -141,14 +141,18 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
              total_bytes=memory.peak_memory_in_bytes, fits=memory.peak_memory_in_bytes <= chip.hbm_bytes,
              compiler_flops=cost["flops"], compiler_bytes=cost["bytes accessed"],
              optimal_seconds=cost["optimal_seconds"])
-  # The compiler sees no FLOPs inside Pallas kernels; the model count never misses the attention.
-  compute = max(out["compiler_flops"], out["model_flops"]) / peak
-  memory_time = out["compiler_bytes"] / chip.hbm_bytes_per_second
+  out.update(peak_flops=peak, hbm_bytes_per_second=chip.hbm_bytes_per_second)
+  compute, memory_time = roofline(out, out["compiler_bytes"])
   out.update(estimated_step_seconds=max(compute, memory_time),
-             bound="compute" if compute >= memory_time else "HBM bandwidth", peak_flops=peak,
-             hbm_bytes_per_second=chip.hbm_bytes_per_second)
+             bound="compute" if compute >= memory_time else "HBM bandwidth")
   out["estimated_hours"] = out["estimated_step_seconds"] * config.train.steps / 3600
   return out
+
+
+def roofline(r: dict, step_bytes: float) -> tuple[float, float]:
+  """A report's step time bounds in seconds, (compute, HBM traffic), for `step_bytes` per chip."""
+  # The compiler sees no FLOPs inside Pallas kernels; the model count never misses the attention.
+  return max(r["compiler_flops"], r["model_flops"]) / r["peak_flops"], step_bytes / r["hbm_bytes_per_second"]
 
 
 def _gib(x: float) -> str:

@@ -268,8 +268,8 @@ class Transformer(nn.Module):
           self.param(name, _init(0.02, None, None), (cfg.relative_buckets, cfg.H))[bucket_bqk], -1, 1)
       if not cfg.relative_bias_per_layer:
         bias_bhqk = relative_bias("relative_bias")  # one table shared by all layers, as in T5
-    block = nn.remat(
-        Block) if cfg.remat == "block" and not self.decode_len else Block  # remat saves only for gradients
+    # remat saves only for gradients: decoding has none.
+    block = nn.remat(Block) if cfg.remat == "block" and not self.decode_len else Block
     x_btd = sharding.constrain_batch(x_btd)
     for i in range(cfg.L):
       if cfg.positions == "relative_bias" and cfg.relative_bias_per_layer:
