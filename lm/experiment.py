@@ -122,8 +122,10 @@ class Experiment:
                         self.state_shardings)
 
   def apply(self, params, batch, **kw):
+    """The model's outputs at the positions the task reads (all, or its last readout_last)."""
     return self.model.apply({"params": params}, batch["inputs"], positions_bt=batch.get("positions"),
-                            segment_ids_bt=batch.get("segment_ids"), **kw)
+                            segment_ids_bt=batch.get("segment_ids"), readout_last=self.task.readout_last,
+                            **kw)
 
   def _weighted_loss(self, params, batch, rng):
     """The task's mean loss times its weight: summed over microbatches, then divided by the summed

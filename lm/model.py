@@ -146,11 +146,16 @@ class Attention(nn.Module):
   """Projections around lm.attention.attend with layer `layer`'s preset. Latent codes are computed
   only when the `codes` collection is mutable, which only `latent_codes` (evaluation) makes it.
   decode_len > 0: the inputs are the next tokens after those already in the layer's decoding cache of
-  decode_len positions (lm/decode_cache.py), whose exact state depends on the preset."""
+  decode_len positions (lm/decode_cache.py), whose exact state depends on the preset.
+  query_last > 0: only the last query_last positions ask queries (of every key): the output is
+  [B, query_last, D], the rows a full call would give there. Such a call names its query and key
+  positions, which not every implementation takes: it runs model.attention_impl if that one can,
+  else auto's choice."""
   cfg: ModelConfig
   layer: int
   deterministic: bool = True
   decode_len: int = 0
+  query_last: int = 0
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, segment_ids_bt, bias_bhqk):
@@ -160,9 +165,21 @@ class Attention(nn.Module):
     w = {n: self.param(n, init, (D, H, K)).astype(dtype) for n in ("wq", "wk", "wv")}
     wo_hkd = self.param("wo", _init((H * K * 2 * cfg.L)**-0.5, "heads", None, "embed"),
                         (H, K, D)).astype(dtype)
-    q_bthk, k_bthk, v_bthk = (jnp.einsum("btd,dhk->bthk", x_btd, w[n]) for n in ("wq", "wk", "wv"))
+    T = x_btd.shape[1]
+    q0 = T - self.query_last if self.query_last else 0  # the first position that asks a query
+    q_bthk = jnp.einsum("btd,dhk->bthk", x_btd[:, q0:], w["wq"])
+    k_bthk, v_bthk = (jnp.einsum("btd,dhk->bthk", x_btd, w[name]) for name in ("wk", "wv"))
+    positions, impl = None, cfg.attention_impl
+    if q0:
+      # Explicit (query, key) positions: causality and dropout's pair hashes see the rows' true places.
+      positions = (jnp.arange(q0, T), jnp.arange(T))
+      bias_bhqk = None if bias_bhqk is None else bias_bhqk[:, :, q0:]
+      if impl != "auto" and attention.unsupported(
+          impl, cfg.layer_knobs(self.layer),
+          attention.Call(T - q0, T, cfg.causal, bias_bhqk is not None, cfg.attention_dropout > 0, True)):
+        impl = "auto"
     if cfg.positions == "rotary":
-      q_bthk = rotary(q_bthk, positions_bt, cfg.rope_base)
+      q_bthk = rotary(q_bthk, positions_bt[:, q0:], cfg.rope_base)
       k_bthk = rotary(k_bthk, positions_bt, cfg.rope_base)
     knobs = cfg.layer_knobs(self.layer)
     if self.decode_len:
@@ -176,13 +193,14 @@ class Attention(nn.Module):
       self.sow(
           "codes", "a_bhqk",
           attention.normalized_scores(q_bthk, k_bthk, normalization=knobs.normalization, causal=cfg.causal,
-                                      segment_ids=segment_ids_bt, bias=bias_bhqk))
+                                      segment_ids=segment_ids_bt, bias=bias_bhqk, positions=positions))
     dropout = 0.0 if self.deterministic else cfg.attention_dropout
     out_bthk = attention.attend(q_bthk, k_bthk, v_bthk, normalization=knobs.normalization,
                                 value_network=knobs.value_network, nonlinearity=knobs.nonlinearity,
-                                causal=cfg.causal, segment_ids=segment_ids_bt, bias=bias_bhqk,
-                                impl=cfg.attention_impl, dropout_rate=dropout,
-                                dropout_rng=self.make_rng("dropout") if dropout else None)
+                                causal=cfg.causal, segment_ids=segment_ids_bt, bias=bias_bhqk, impl=impl,
+                                dropout_rate=dropout,
+                                dropout_rng=self.make_rng("dropout") if dropout else None,
+                                positions=positions)
     return jnp.einsum("bthk,hkd->btd", out_bthk, wo_hkd)
 
 
@@ -204,16 +222,19 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
+  """query_last > 0: the block's output at the last query_last positions only (see Attention)."""
   cfg: ModelConfig
   layer: int
   deterministic: bool = True
   decode_len: int = 0
+  query_last: int = 0
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, segment_ids_bt, bias_bhqk):
-    dtype = DTYPES[self.cfg.dtype]
-    x_btd = x_btd + Attention(self.cfg, self.layer, self.deterministic, self.decode_len, name="attn")(
-        _layer_norm(dtype, "ln_attn")(x_btd), positions_bt, segment_ids_bt, bias_bhqk)
+    dtype, n = DTYPES[self.cfg.dtype], self.query_last
+    x_btd = x_btd[:, x_btd.shape[1] - n if n else 0:] + Attention(
+        self.cfg, self.layer, self.deterministic, self.decode_len, n, name="attn")(_layer_norm(
+            dtype, "ln_attn")(x_btd), positions_bt, segment_ids_bt, bias_bhqk)
     return x_btd + Mlp(self.cfg, name="mlp")(_layer_norm(dtype, "ln_mlp")(x_btd))
 
 
@@ -221,6 +242,11 @@ class Transformer(nn.Module):
   """inputs: token ids [B, T] (or float features [B, T, I] when cfg.input_dim > 0) → float32 outputs
   [B, T, V]; with return_readout, the final hidden states and readout weights that form them
   (lm/cross_entropy.py), for a loss that need not write the logits.
+
+  readout_last > 0: outputs at the last readout_last positions only, [B, readout_last, V], for a task
+  whose loss and metrics read nothing else (the compositional tasks). They equal the full outputs'
+  last rows: the last layer asks queries at those positions only (of every key), and so forms its
+  attention, MLP and readout for them alone; earlier layers, whose keys and values it reads, run whole.
 
   decode_len > 0 (causal models only): incremental decoding. Each call appends its T tokens after
   those of earlier calls, at positions index..index+T-1 of a context of decode_len positions, and
@@ -231,10 +257,14 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, inputs, *, positions_bt=None, segment_ids_bt=None, deterministic: bool = True,
-               return_readout: bool = False):
+               return_readout: bool = False, readout_last: int = 0):
     cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
     B, T = inputs.shape[:2]
     explicit_positions = positions_bt is not None
+    if readout_last and (explicit_positions or segment_ids_bt is not None or self.decode_len or
+                         not 0 < readout_last <= T):
+      raise ValueError(f"readout_last={readout_last} needs whole rows (no explicit positions, segment "
+                       f"ids or decoding) and 0 < readout_last <= the length {T}")
     if self.decode_len:
       if not cfg.causal or explicit_positions or segment_ids_bt is not None:
         raise ValueError("decoding (decode_len > 0) is for causal models and takes tokens only: "
@@ -274,8 +304,9 @@ class Transformer(nn.Module):
     for i in range(cfg.L):
       if cfg.positions == "relative_bias" and cfg.relative_bias_per_layer:
         bias_bhqk = relative_bias(f"relative_bias_{i}")
-      x_btd = block(cfg, i, deterministic, self.decode_len, name=f"block_{i}")(x_btd, positions_bt,
-                                                                               segment_ids_bt, bias_bhqk)
+      query_last = readout_last if i == cfg.L - 1 else 0
+      x_btd = block(cfg, i, deterministic, self.decode_len, query_last,
+                    name=f"block_{i}")(x_btd, positions_bt, segment_ids_bt, bias_bhqk)
       x_btd = sharding.constrain_batch(x_btd)
     x_btd = _layer_norm(dtype, "ln_final")(x_btd)
     if cfg.tied_embeddings and not cfg.input_dim:

@@ -34,6 +34,9 @@ class Task(Protocol):
   name: str
   seq_len: int  # positions per row: what throughput and token budgets count
   loss_takes_readout: bool  # the training loss gets the final hidden states and readout, not logits
+  # >0: loss and metrics read only the outputs at the last readout_last positions, so the model forms
+  # no others (lm/model.py, Transformer); 0: all positions.
+  readout_last: int
 
   def train_iterator(self, shard: pipeline.Shard, rows: int) -> grain.DatasetIterator:
     ...
@@ -64,6 +67,7 @@ class LanguageModeling:
   """Next-token prediction on packed documents; evaluation is token-weighted over the whole split."""
   name = "lm"
   loss_takes_readout = True  # the cross-entropy may then skip writing the [B, T, V] logits
+  readout_last = 0
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
     self.config = config

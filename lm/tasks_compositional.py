@@ -75,6 +75,7 @@ class Sraven:
   """SRAVEN: inputs one-hot [B, 36, 8]; outputs [B, 36, 8], the last 4 positions are the answer."""
   name = "sraven"
   loss_takes_readout = False
+  readout_last = sraven.NUM_FEATURES
   seq_len = sraven.SEQ_LEN
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
@@ -127,6 +128,7 @@ class FuzzyLogic:
   """Fuzzy-logic regression: inputs [B, N, L+1]; the first output at the last position is f(x_N)."""
   name = "fuzzy_logic"
   loss_takes_readout = False
+  readout_last = 1
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
     d, m = config.data, config.model
