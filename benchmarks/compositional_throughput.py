@@ -2,18 +2,20 @@
 
   flock /tmp/bench.lock python benchmarks/compositional_throughput.py \
     --paper_python=PAPER_VENV/bin/python --paper_repo=PAPER_CHECKOUT [--presets=softmax,linear,hyla] \
-    [--dtypes=float32,bfloat16] [--steps=100] [--repeats=3]
+    [--dtypes=float32,bfloat16] [--microbatches=1,8] [--steps=100] [--repeats=3]
 
 Both train configs/sraven.py's model (4 layers, width 1, batch 128, attention dropout 0.1) with
 their own data generators, after compilation. Each measurement is a fresh process; for every preset
-the paper's code and ours (each dtype) alternate, `repeats` times. Printed: steps/s (best and median
+the paper's code and ours (each dtype, and each train.microbatches value if given) alternate,
+`repeats` times. Printed: steps/s (best and median
 of the repeats), CPU seconds per step (all threads; robust to other load on a shared machine) and
 the ratio of ours to the paper's, with `uptime` before and after. The paper's side runs
 benchmarks/paper_code_steps.py in its own venv (jax 0.4.38, flax 0.10.2; see that file).
 
 `--worker` measures ours once in this process (what the driver runs); with `--profile=DIR` it also
 traces 3 steps with jax.profiler and prints each kind of XLA operation's share of the step (fusions
-by kind, numbered instances summed) and the 8 longest operations.
+by kind, numbered instances summed) and the 8 longest operations; `--task=fuzzy_logic` measures
+configs/fuzzy_logic.py instead (ours only: the paper's side here runs SRAVEN).
 """
 
 import json
@@ -34,6 +36,10 @@ _PAPER_PYTHON = flags.DEFINE_string("paper_python", None, "Python of the paper c
 _PAPER_REPO = flags.DEFINE_string("paper_repo", None, "Checkout of smonsays/hypernetwork-attention.")
 _WORKER = flags.DEFINE_bool("worker", False, "Measure ours once (--presets and --dtypes: one each).")
 _PROFILE = flags.DEFINE_string("profile", None, "With --worker: trace 3 steps into this directory.")
+_MICROBATCHES = flags.DEFINE_list("microbatches", [], "Our train.microbatches values, each measured "
+                                  "(default: the config's).")
+_TASK = flags.DEFINE_enum("task", "sraven", ["sraven", "fuzzy_logic"],
+                          "With --worker: our config (the paper's side runs SRAVEN only).")
 _XLA_DEFAULT = flags.DEFINE_bool(
     "xla_default_fusion", False, "Measure ours with XLA's default CPU fusion (cpu_library_fusion=\"\") too; "
     "with --worker: only that way.")
@@ -44,14 +50,17 @@ WARMUP_STEPS = 5
 
 def measure_ours(preset: str, dtype: str, steps: int) -> dict:
   """Our training loop's work per step: the next host batch, its transfer, the train step."""
+  import importlib  # noqa: PLC0415
+
   import jax  # noqa: PLC0415  (workers only: the driver never initialises jax)
 
-  from configs import sraven  # noqa: PLC0415
   from lm.experiment import Experiment  # noqa: PLC0415
   from lm.train import HostData  # noqa: PLC0415
 
-  c = sraven.get_config()
+  c = importlib.import_module(f"configs.{_TASK.value}").get_config()
   c.model.update(attention=preset, dtype=dtype)
+  if _MICROBATCHES.value:
+    c.train.microbatches = int(_MICROBATCHES.value[0])
   if _XLA_DEFAULT.value:
     c.cpu_library_fusion = ""
   c = c.copy_and_resolve_references()
@@ -76,6 +85,8 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
       "code": "ours",
       "preset": preset,
       "dtype": dtype + (", XLA's default CPU fusion" if _XLA_DEFAULT.value else ""),
+      "task": _TASK.value,
+      "microbatches": c.train.microbatches,
       "steps_per_s": steps / seconds,
       "cpu_s_per_step": cpu / steps,
       "loss": float(stats["loss"]),
@@ -104,9 +115,12 @@ def drive() -> None:
   print(f"before: {_uptime()}", flush=True)
   rows = []
   for preset in _PRESETS.value:
-    ours = [(d, []) for d in _DTYPES.value
+    micro = [[]] if not _MICROBATCHES.value else [[f"--microbatches={k}"] for k in _MICROBATCHES.value]
+    ours = [(d, m) for d in _DTYPES.value for m in micro
            ] + ([("float32", ["--xla_default_fusion"])] if _XLA_DEFAULT.value else [])
-    results = {"paper": []} | {f"{d}{', XLA default fusion' if extra else ''}": [] for d, extra in ours}
+    label = lambda d, extra: " ".join(
+        [d, *(e.lstrip("-").replace("xla_default_fusion", "XLA default fusion") for e in extra)])
+    results = {"paper": []} | {label(d, extra): [] for d, extra in ours}
     for _ in range(_REPEATS.value):
       results["paper"].append(
           _run([
@@ -144,6 +158,8 @@ def drive() -> None:
 
 def main(argv):
   del argv
+  if _TASK.value != "sraven" and not _WORKER.value:
+    raise SystemExit("--task=fuzzy_logic measures ours only: give --worker")
   if _WORKER.value:
     print(json.dumps(measure_ours(_PRESETS.value[0], _DTYPES.value[0], _STEPS.value)))
   else:

@@ -144,14 +144,15 @@ class Experiment:
       # Microbatch i takes rows i, i+k, i+2k, ...: every device holds its share of each microbatch.
       micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape((-1, k) + x.shape[1:]), 0, 1), batch)
 
-      def body(carry, xs):
-        i, mb = xs
+      def body(carry, mb):
         mb = jax.tree.map(sharding.constrain_batch, mb)
-        (total, (_, weight)), grads = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        # Every microbatch takes the step's key: attention dropout's mask is one per step, shared over
+        # the batch, so k parts train exactly what one batch would.
+        (total, (_, weight)), grads = grad_fn(params, mb, rng)
         return jax.tree.map(jnp.add, carry, (total, weight, grads)), None
 
       zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-      (total, weight, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
+      (total, weight, grads), _ = jax.lax.scan(body, zeros, micro)
     scale = 1.0 / jnp.maximum(weight, 1.0)
     return total * scale, weight, jax.tree.map(lambda g: g * scale, grads)
 

@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -96,6 +97,25 @@ def test_single_head_models_train_on_sraven(name):
     state, stats = exp.train_step(state, exp.global_batch(next(it)))
     losses.append(float(stats["loss"]))
   assert np.all(np.isfinite(losses)), losses
+
+
+def test_microbatches_with_attention_dropout_train_what_one_batch_does():
+  """configs/sraven.py splits its batch in parts for the CPU's caches: with attention dropout (one mask
+  per step, shared over the batch) the parts must give the same step as the whole batch."""
+  runs = {}
+  for k, rate in ((1, 0.3), (4, 0.3), (1, 0.0)):
+    c = tiny(sraven_config, attention="hyla", attention_dropout=rate)
+    c.train.microbatches = k
+    exp = Experiment(c)
+    it = exp.task.train_iterator(pipeline.Shard(), 8)
+    state = exp.init_state()
+    for _ in range(2):
+      state, stats = exp.train_step(state, exp.global_batch(next(it)))
+    runs[k, rate] = (float(stats["loss"]), state.params)
+  assert runs[4, 0.3][0] == pytest.approx(runs[1, 0.3][0], rel=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), runs[4, 0.3][1],
+               runs[1, 0.3][1])
+  assert runs[1, 0.0][0] != pytest.approx(runs[1, 0.3][0], rel=1e-3)  # the dropout is there to share
 
 
 def test_sraven_end_to_end_with_latent_codes(tmp_path):
