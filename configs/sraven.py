@@ -45,7 +45,7 @@ def get_config():
   c.cpu_library_fusion = "dot"
   # The batch of 128 in 8 parts of 16 whose gradients are summed: the same step (attention dropout's
   # mask is one per step either way), with each part's [16, H, T, T] attention arrays small enough to
-  # stay in a CPU core's cache. 1.4-1.6x the steps/s of one part of 128 on a 2-core CPU
+  # stay in a CPU core's cache. 1.5-1.6x the steps/s of one part of 128 on a 2-core CPU
   # (docs/compositional.md); on an accelerator, where larger products are faster, set 1.
   c.train.microbatches = 8
   return c

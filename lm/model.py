@@ -169,19 +169,19 @@ class Attention(nn.Module):
     q0 = T - self.query_last if self.query_last else 0  # the first position that asks a query
     q_bthk = jnp.einsum("btd,dhk->bthk", x_btd[:, q0:], w["wq"])
     k_bthk, v_bthk = (jnp.einsum("btd,dhk->bthk", x_btd, w[name]) for name in ("wk", "wv"))
+    knobs = cfg.layer_knobs(self.layer)
     positions, impl = None, cfg.attention_impl
     if q0:
       # Explicit (query, key) positions: causality and dropout's pair hashes see the rows' true places.
       positions = (jnp.arange(q0, T), jnp.arange(T))
       bias_bhqk = None if bias_bhqk is None else bias_bhqk[:, :, q0:]
       if impl != "auto" and attention.unsupported(
-          impl, cfg.layer_knobs(self.layer),
+          impl, knobs,
           attention.Call(T - q0, T, cfg.causal, bias_bhqk is not None, cfg.attention_dropout > 0, True)):
         impl = "auto"
     if cfg.positions == "rotary":
       q_bthk = rotary(q_bthk, positions_bt[:, q0:], cfg.rope_base)
       k_bthk = rotary(k_bthk, positions_bt, cfg.rope_base)
-    knobs = cfg.layer_knobs(self.layer)
     if self.decode_len:
       if decode_cache.kind(knobs, bias_bhqk is not None) == "recurrent":
         out_bthk = decode_cache.RecurrentState(name="state")(q_bthk, k_bthk, v_bthk)
