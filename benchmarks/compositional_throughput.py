@@ -18,6 +18,7 @@ by kind, numbered instances summed) and the 8 longest operations; `--task=fuzzy_
 configs/fuzzy_logic.py instead (ours only: the paper's side here runs SRAVEN).
 """
 
+import importlib
 import json
 import os
 import statistics
@@ -50,8 +51,6 @@ WARMUP_STEPS = 5
 
 def measure_ours(preset: str, dtype: str, steps: int) -> dict:
   """Our training loop's work per step: the next host batch, its transfer, the train step."""
-  import importlib  # noqa: PLC0415
-
   import jax  # noqa: PLC0415  (workers only: the driver never initialises jax)
 
   from lm.experiment import Experiment  # noqa: PLC0415

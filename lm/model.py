@@ -231,10 +231,12 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, segment_ids_bt, bias_bhqk):
-    dtype, n = DTYPES[self.cfg.dtype], self.query_last
-    x_btd = x_btd[:, x_btd.shape[1] - n if n else 0:] + Attention(
-        self.cfg, self.layer, self.deterministic, self.decode_len, n, name="attn")(_layer_norm(
-            dtype, "ln_attn")(x_btd), positions_bt, segment_ids_bt, bias_bhqk)
+    dtype = DTYPES[self.cfg.dtype]
+    y_bqd = Attention(self.cfg, self.layer, self.deterministic, self.decode_len, self.query_last,
+                      name="attn")(_layer_norm(dtype, "ln_attn")(x_btd), positions_bt, segment_ids_bt,
+                                   bias_bhqk)
+    # The residual stream continues at the rows that asked queries (all, or the last query_last).
+    x_btd = x_btd[:, x_btd.shape[1] - y_bqd.shape[1]:] + y_bqd
     return x_btd + Mlp(self.cfg, name="mlp")(_layer_norm(dtype, "ln_mlp")(x_btd))
 
 
