@@ -27,7 +27,14 @@ from typing import NamedTuple
 
 import jax
 
-from lm import attention_blocked, attention_core as core, attention_linear, attention_softmax, sharding
+from lm import (
+    attention_blocked,
+    attention_core as core,
+    attention_hypernetwork,
+    attention_linear,
+    attention_softmax,
+    sharding,
+)
 from lm.attention_core import NONLINEARITIES, NORMALIZATIONS, VALUE_NETWORKS, Knobs, normalized_scores  # noqa: F401  (public)
 
 # Paper section 2: the three main variants and the ablations, each a full setting of the knobs.
@@ -61,11 +68,12 @@ def preset(name: str) -> dict[str, str]:
 
 class Impl(NamedTuple):
   """An implementation and what it supports. `fn(q, k, v, *, segment_ids, ...)` takes exactly what
-  its row supports: `knobs` when it computes every setting, `causal` when it is bidirectional too,
-  `bias`, and `dropout_rate` with `dropout_rng`."""
+  its row supports: `knobs` unless it computes one preset's setting, `causal` when it is bidirectional
+  too, `bias`, and `dropout_rate` with `dropout_rng`."""
   fn: Callable[..., jax.Array]
   auto: dict[str, int | None]  # platform → the longest length `auto` takes it for (None: any)
-  computes: str | None = None  # the one preset whose normalisation and value network it computes
+  # The presets whose normalisation and value network it computes (any φ); empty: every setting.
+  computes: tuple[str, ...] = ()
   bidirectional: bool = True
   bias: bool = True
   dropout: bool = True
@@ -86,19 +94,24 @@ IMPLS: dict[str, Impl] = {
     # The Pallas TPU splash-attention kernel (lm/attention_softmax.py), in a shard_map over the mesh.
     "splash":
         Impl(functools.partial(attention_softmax.attend_splash,
-                               batch_axes=sharding.BATCH), computes="softmax", bias=False, dropout=False,
+                               batch_axes=sharding.BATCH), computes=("softmax",), bias=False, dropout=False,
              tile=attention_softmax.PALLAS_BLOCK, auto={"tpu": None}),
     # The Pallas TPU flash-attention kernel (lm/attention_softmax.py), in a shard_map over the mesh.
     "pallas":
         Impl(functools.partial(attention_softmax.attend_pallas, batch_axes=sharding.BATCH),
-             computes="softmax", dropout=False, tile=attention_softmax.PALLAS_BLOCK, auto={"tpu": None}),
+             computes=("softmax",), dropout=False, tile=attention_softmax.PALLAS_BLOCK, auto={"tpu": None}),
+    # The Pallas TPU kernels of the hypernetwork value network (lm/attention_hypernetwork.py).
+    "pallas_hypernetwork":
+        Impl(functools.partial(attention_hypernetwork.attend_pallas_hypernetwork,
+                               batch_axes=sharding.BATCH), computes=("hyla", "hyla_no_rms_head"), bias=False,
+             dropout=False, tile=attention_hypernetwork.BLOCK_K, auto={"tpu": None}),
     # Causal linear attention in O(t·d²) (lm/attention_linear.py).
     "chunked":
-        Impl(attention_linear.attend_chunked, computes="linear", bidirectional=False, bias=False,
+        Impl(attention_linear.attend_chunked, computes=("linear",), bidirectional=False, bias=False,
              dropout=False, auto=ANYWHERE),
     # jax.nn.dot_product_attention: XLA's fusion, or cuDNN's flash attention on GPU.
     "dot_product":
-        Impl(attention_softmax.attend_dot_product, computes="softmax", dropout=False, memory_linear=False,
+        Impl(attention_softmax.attend_dot_product, computes=("softmax",), dropout=False, memory_linear=False,
              auto={
                  "cpu": CPU_BLOCKED_FROM - 1,
                  "gpu": None
@@ -125,12 +138,11 @@ class Call(NamedTuple):
 def unsupported(name: str, knobs: Knobs, call: Call) -> str | None:
   """Why implementation `name` cannot serve this call (with the fix), or None when it can."""
   impl = IMPLS[name]
-  if impl.computes is not None:
-    wanted = preset(impl.computes)
-    if (knobs.normalization, knobs.value_network) != (wanted["normalization"], wanted["value_network"]):
-      return (f"computes {impl.computes} attention only (normalization {wanted['normalization']}, "
-              f"value_network {wanted['value_network']}), not {knobs.normalization}/"
-              f"{knobs.value_network}; use impl 'auto' or 'blocked'")
+  settings = {(preset(name)["normalization"], preset(name)["value_network"]): name for name in impl.computes}
+  if settings and (knobs.normalization, knobs.value_network) not in settings:
+    listed = " or ".join(f"{n}/{v}" for n, v in settings)
+    return (f"computes {' and '.join(impl.computes)} attention only (normalization/value_network {listed}), "
+            f"not {knobs.normalization}/{knobs.value_network}; use impl 'auto' or 'blocked'")
   if not call.causal and not impl.bidirectional:
     return "computes causal attention only; for bidirectional attention use impl 'auto' or 'blocked'"
   if call.bias and not impl.bias:
@@ -182,7 +194,7 @@ def _run(name: str, q, k, v, *, knobs, causal, segment_ids, bias, dropout_rate, 
   impl, kw = IMPLS[name], dict(segment_ids=segment_ids)
   if impl.cross:
     kw["positions"] = positions
-  if impl.computes is None:
+  if len(impl.computes) != 1:
     kw["knobs"] = knobs
   if impl.bidirectional:
     kw["causal"] = causal

@@ -7,7 +7,8 @@ q, k, v: [batch, seq, heads, head_dim] → out like q, in three steps (docs/pape
   3. value network: linear, out_bqhd = Σ_k a_bhqk v_bkhd; or hypernetwork,
      z_bkqd = Σ_h a_bhqk v_bkhd, out_bqhd = Σ_k a_bhqk φ(z_bkqd).
 
-`reference` is this definition written out with einsums. The kernels (attention_blocked.py,
+`reference` is this definition written out with einsums; `per_device` runs a Pallas kernel on each
+device's shard of a mesh. The kernels (attention_blocked.py,
 attention_linear.py, attention_softmax.py) build on these functions and import nothing else of ours;
 lm/attention.py says which of them computes what.
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import jax
 import jax.extend.random as jax_random
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 NORMALIZATIONS = ("softmax", "none", "rms_head")
 # Each value network with its matmul products per (query, key) pair and head dimension besides the score
@@ -205,3 +207,22 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: Knobs, causal:
     a_bhqk = drop(a_bhqk, keep_11qk, dropout_rate)
   return apply_value_network(a_bhqk, v, value_network=knobs.value_network,
                              nonlinearity=knobs.nonlinearity).astype(q.dtype)
+
+
+def per_device(local, q, k, v, segment_ids, bias, batch_axes):
+  """local(q, k, v, segment_ids, bias) on each device's shard: Mosaic kernels are not partitioned
+  automatically, so under a mesh it runs in a shard_map over the mesh axes in `batch_axes` and the head
+  (tensor) axis."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return local(q, k, v, segment_ids, bias)
+  batch = tuple(a for a in batch_axes if a in mesh.axis_names)
+  heads = "tensor" if "tensor" in mesh.axis_names and q.shape[2] % mesh.shape["tensor"] == 0 else None
+  qkv_spec = P(batch, None, heads, None)
+  bias_spec = None if bias is None else P(batch if bias.shape[0] > 1 else None,
+                                          heads if bias.shape[1] > 1 else None, None, None)
+  # check_vma off: the kernels declare their outputs without per-axis variance annotations.
+  return jax.shard_map(
+      local,
+      in_specs=(qkv_spec, qkv_spec, qkv_spec, None if segment_ids is None else P(batch, None), bias_spec),
+      out_specs=qkv_spec, check_vma=False)(q, k, v, segment_ids, bias)

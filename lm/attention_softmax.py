@@ -16,7 +16,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
     splash_attention_kernel as splash,
     splash_attention_mask as splash_mask,
 )
-from jax.sharding import PartitionSpec as P
+
+from lm import attention_core as core
 
 PALLAS_BLOCK = 128
 SPLASH_MAX_BLOCK = 512
@@ -41,28 +42,9 @@ def attend_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = Tr
                   segment_ids: jax.Array | None = None, bias: jax.Array | None = None,
                   batch_axes: tuple[str, ...] = ()) -> jax.Array:
   """attention_core.reference's contract for softmax attention without dropout, lengths a multiple of
-  PALLAS_BLOCK, on each device's shard (_per_device)."""
+  PALLAS_BLOCK, on each device's shard (core.per_device)."""
   local = lambda q, k, v, seg, bias: _pallas_local(q, k, v, causal, seg, bias)
-  return _per_device(local, q, k, v, segment_ids, _bias_4d(bias), batch_axes)
-
-
-def _per_device(local, q, k, v, segment_ids, bias, batch_axes):
-  """local(q, k, v, segment_ids, bias) on each device's shard: Mosaic kernels are not partitioned
-  automatically, so under a mesh it runs in a shard_map over the mesh axes in `batch_axes` and the head
-  (tensor) axis."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return local(q, k, v, segment_ids, bias)
-  batch = tuple(a for a in batch_axes if a in mesh.axis_names)
-  heads = "tensor" if "tensor" in mesh.axis_names and q.shape[2] % mesh.shape["tensor"] == 0 else None
-  qkv_spec = P(batch, None, heads, None)
-  bias_spec = None if bias is None else P(batch if bias.shape[0] > 1 else None,
-                                          heads if bias.shape[1] > 1 else None, None, None)
-  # check_vma off: the kernels declare their outputs without per-axis variance annotations.
-  return jax.shard_map(
-      local,
-      in_specs=(qkv_spec, qkv_spec, qkv_spec, None if segment_ids is None else P(batch, None), bias_spec),
-      out_specs=qkv_spec, check_vma=False)(q, k, v, segment_ids, bias)
+  return core.per_device(local, q, k, v, segment_ids, _bias_4d(bias), batch_axes)
 
 
 def attend_splash(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
@@ -71,7 +53,7 @@ def attend_splash(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = Tr
   """attention_core.reference's contract for softmax attention without bias or dropout, lengths a
   multiple of PALLAS_BLOCK; per device as attend_pallas. interpret: Pallas's interpreter (any backend)."""
   local = lambda q, k, v, seg, _: _splash_local(q, k, v, seg, causal, interpret)
-  return _per_device(local, q, k, v, segment_ids, None, batch_axes)
+  return core.per_device(local, q, k, v, segment_ids, None, batch_axes)
 
 
 def _splash_kernel(T: int, H: int, causal: bool, interpret: bool):

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 from jax.extend import core as jax_core
 
-from lm import attention, attention_blocked, attention_core, attention_softmax, model as model_lib
+from lm import (
+    attention,
+    attention_blocked,
+    attention_core,
+    attention_hypernetwork,
+    attention_softmax,
+    model as model_lib,
+)
 
 COMBOS = list(itertools.product(attention.NORMALIZATIONS, attention.VALUE_NETWORKS))
 # 21 tokens: two full blocks of 8 and a padded third; segment 0 at the end is padding, as packing makes.
@@ -142,6 +149,27 @@ def test_splash_equals_reference_in_interpret_mode(causal):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+@pytest.mark.parametrize("preset,causal,segments", [("hyla", True, True), ("hyla", False, False),
+                                                    ("hyla_no_rms_head", True, False),
+                                                    ("hyla_gelu", False, True)])
+def test_pallas_hypernetwork_equals_reference_in_interpret_mode(preset, causal, segments):
+  """The TPU hypernetwork kernels run by Pallas's interpreter: the same outputs and gradients as the
+  definition (two key blocks, eight query blocks; the causal case skips the tiles above the diagonal)."""
+  q, k, v, cotangent = (
+      jax.random.normal(key, (2, 256, 2, 8)) for key in jax.random.split(jax.random.key(4), 4))
+  segment_ids = jnp.asarray([[0] * 50 + [1] * 150 + [2] * 56, [0] * 256]) if segments else None
+  knobs = attention.Knobs(**attention.preset(preset))
+  kernel = lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(
+      q, k, v, knobs=knobs, causal=causal, segment_ids=segment_ids, interpret=True)
+  reference = lambda q, k, v: attention.attend(q, k, v, **attention.preset(preset), causal=causal, segment_ids
+                                               =segment_ids)
+  (out, pull), (out_ref, pull_ref) = (jax.vjp(f, q, k, v) for f in (kernel, reference))
+  grads = pull(cotangent)
+  np.testing.assert_allclose(out, out_ref, rtol=1e-4, atol=1e-4 * np.abs(out_ref).max())
+  for name, g, g_ref in zip(("dq", "dk", "dv"), grads, pull_ref(cotangent)):
+    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4 * np.abs(g_ref).max(), err_msg=name)
+
+
 def test_auto_softmax_traces_again_at_a_length_splash_tiles():
   """On CPU, auto still traces the TPU branch (splash) of softmax attention: a second trace, as
   lm-train's initialisation then train step make, must not meet values of the first."""
@@ -174,7 +202,11 @@ def test_auto_picks_a_memory_linear_implementation_for_every_variant(dropout):
   assert _chosen("softmax") == {"cpu": "blocked", "tpu": "splash", "gpu": "dot_product"}
   assert _chosen("softmax", bias=True)["tpu"] == "pallas"  # splash takes no bias
   assert _chosen("softmax", t=512)["cpu"] == "dot_product"
-  assert set(_chosen("linear").values()) == {"chunked"} and set(_chosen("hyla").values()) == {"blocked"}
+  assert set(_chosen("linear").values()) == {"chunked"}
+  assert _chosen("hyla") == {"cpu": "blocked", "tpu": "pallas_hypernetwork", "gpu": "blocked"}
+  assert _chosen("hyla_no_rms_head")["tpu"] == "pallas_hypernetwork"
+  assert _chosen("hyla_softmax")["tpu"] == "blocked"  # softmax couples the keys: not in the kernels
+  assert _chosen("hyla", bias=True)["tpu"] == "blocked" and _chosen("hyla", dropout=True)["tpu"] == "blocked"
   assert set(_chosen("linear", bias=True).values()) == {"blocked"}
   assert set(_chosen("linear", causal=False).values()) == {"blocked"}
   assert model_lib.ModelConfig(V=8).attention_impl == "auto"
@@ -204,6 +236,9 @@ def test_auto_model_equals_reference_model(preset):
           value_network="hypernetwork"), "chunked", "'chunked' computes linear attention only"),
     (dict(normalization="none",
           value_network="linear"), "pallas", "'pallas' computes softmax attention only"),
+    (dict(normalization="softmax", value_network="hypernetwork"), "pallas_hypernetwork",
+     "'pallas_hypernetwork' computes hyla and hyla_no_rms_head attention only \\(normalization/value_network "
+     "rms_head/hypernetwork or none/hypernetwork\\), not softmax/hypernetwork"),
     (dict(normalization="softmax", value_network="linear"), "flash", "unknown attention impl 'flash'"),
 ])
 def test_impl_that_cannot_compute_the_knobs_fails_clearly(knobs, impl, message):
@@ -218,20 +253,22 @@ def test_impl_that_cannot_compute_the_knobs_fails_clearly(knobs, impl, message):
     ("chunked", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "'chunked' applies no attention "
      "dropout"),
     ("blocked", dict(k=jnp.zeros((2, 5, 3, 4))), "needs as many keys as queries, got 21 and 5"),
+    ("pallas_hypernetwork", dict(), "tiles sequences in blocks of 128, got lengths 21"),
     ("chunked", dict(positions=(jnp.arange(21), jnp.arange(21))),
      "'chunked' takes no explicit query and key positions; use impl 'auto' or 'reference'"),
 ])
 def test_shapes_an_impl_cannot_take_fail_clearly(impl, kw, message):
   q, k, v, _, _ = _inputs()
-  knobs = attention.preset("softmax" if impl == "pallas" else "linear")
+  knobs = attention.preset({"pallas": "softmax", "pallas_hypernetwork": "hyla"}.get(impl, "linear"))
   k = kw.pop("k", k)
   with pytest.raises(ValueError, match=message):
     attention.attend(q, k, v, **knobs, **kw, impl=impl)
 
 
 def test_auto_compiles_the_pallas_kernel_for_tpu(v5e_2x2):
-  """Softmax under impl auto, compiled ahead of time for a v5e mesh (batch and heads sharded), runs the
-  splash kernel forward and backward; HYLA's blocked kernel compiles for the same mesh."""
+  """Softmax and HYLA under impl auto, compiled ahead of time for a v5e mesh (batch and heads sharded),
+  run their Pallas kernels forward and backward (splash: a forward and a fused backward kernel; the
+  hypernetwork kernels: one each)."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   topology = v5e_2x2
   mesh = Mesh(np.asarray(topology.devices).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
@@ -239,7 +276,7 @@ def test_auto_compiles_the_pallas_kernel_for_tpu(v5e_2x2):
                            sharding=NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
   seg = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
   # softmax: the splash kernel forward and its fused backward.
-  for preset, kernels in (("softmax", 2), ("hyla", 0)):
+  for preset, kernels in (("softmax", 2), ("hyla", 2)):
     loss = lambda q, k, v, s: attention.attend(q, k, v, **attention.preset(preset), segment_ids=s, impl="auto"
                                               ).sum()
     with jax.set_mesh(mesh):
