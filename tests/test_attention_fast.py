@@ -170,6 +170,29 @@ def test_pallas_hypernetwork_equals_reference_in_interpret_mode(preset, causal, 
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4 * np.abs(g_ref).max(), err_msg=name)
 
 
+def test_pallas_hypernetwork_in_bfloat16():
+  """The model's compute dtype: outputs and gradients come back in bfloat16, as close to the float32
+  definition as the reference computed in bfloat16 (the kernels compute the tile in float32)."""
+  q, k, v, cotangent = (
+      jax.random.normal(key, (1, 128, 4, 16)) for key in jax.random.split(jax.random.key(5), 4))
+  kw = dict(**attention.preset("hyla"), segment_ids=jnp.asarray([[0] * 70 + [1] * 58]))
+  reference = lambda q, k, v: attention.attend(q, k, v, **kw)
+  kernel = lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(
+      q, k, v, knobs=attention.Knobs(**attention.preset("hyla")), segment_ids=kw["segment_ids"], interpret=
+      True)
+  out_exact, pull_exact = jax.vjp(reference, q, k, v)
+  exact = (out_exact, *pull_exact(cotangent))
+
+  def errors(fn):
+    out, pull = jax.vjp(fn, *(x.astype(jnp.bfloat16) for x in (q, k, v)))
+    values = (out, *pull(cotangent.astype(jnp.bfloat16)))
+    assert all(x.dtype == jnp.bfloat16 for x in values)
+    return [np.abs(np.asarray(x, np.float32) - e).max() / np.abs(e).max() for x, e in zip(values, exact)]
+
+  for name, e_kernel, e_reference in zip(("out", "dq", "dk", "dv"), errors(kernel), errors(reference)):
+    assert e_kernel <= 1.5 * e_reference + 1e-3, (name, e_kernel, e_reference)
+
+
 def test_auto_softmax_traces_again_at_a_length_splash_tiles():
   """On CPU, auto still traces the TPU branch (splash) of softmax attention: a second trace, as
   lm-train's initialisation then train step make, must not meet values of the first."""
@@ -268,7 +291,8 @@ def test_shapes_an_impl_cannot_take_fail_clearly(impl, kw, message):
 def test_auto_compiles_the_pallas_kernel_for_tpu(v5e_2x2):
   """Softmax and HYLA under impl auto, compiled ahead of time for a v5e mesh (batch and heads sharded),
   run their Pallas kernels forward and backward (splash: a forward and a fused backward kernel; the
-  hypernetwork kernels: one each)."""
+  hypernetwork kernels: one each; value_and_grad, since with the gradient alone the hypernetwork forward
+  kernel's output goes unused, its residuals being its inputs, and newer jax drops it)."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   topology = v5e_2x2
   mesh = Mesh(np.asarray(topology.devices).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
@@ -280,7 +304,7 @@ def test_auto_compiles_the_pallas_kernel_for_tpu(v5e_2x2):
     loss = lambda q, k, v, s: attention.attend(q, k, v, **attention.preset(preset), segment_ids=s, impl="auto"
                                               ).sum()
     with jax.set_mesh(mesh):
-      lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg)
+      lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg)
     assert lowered.as_text().count("tpu_custom_call") == kernels, preset
     assert lowered.compile() is not None
 
