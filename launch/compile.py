@@ -118,7 +118,8 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
       "hbm_bytes":
           chip.hbm_bytes,
       "model_flops":
-          flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len) * tokens_per_step / len(devices),
+          flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len, exp.task.readout_last) *
+          tokens_per_step / len(devices),
   }
   start = time.perf_counter()
   try:

@@ -23,16 +23,22 @@ PEAK_FLOPS = {
 }
 
 
-def flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int) -> float:
+def flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int, readout_last: int = 0) -> float:
   """Training FLOPs (forward + backward) per token: 6 per parameter plus the attention core, 3x its
   forward FLOPs per (query, key) pair and layer (lm.attention_core.pair_flops of the layer's preset: the
   score and the value network's products, so HYLA's core costs 1.5x softmax's). Counted over all T keys, as PaLM's MFU convention
-  does, whatever the mask skips."""
+  does, whatever the mask skips. readout_last > 0 (a task that reads only the last positions): the last
+  layer's query and output projections, MLP, readout and queries run on those rows only (lm/model.py)."""
   # The input embedding is a lookup, not a matmul (unless tied: then it is also the output layer).
   embedding = cfg.V * cfg.D if not (cfg.input_dim or cfg.tied_embeddings) else 0
-  attention = 3 * seq_len * sum(
-      attention_core.pair_flops(cfg.layer_knobs(layer), cfg.qkv_dim or cfg.D) for layer in range(cfg.L))
-  return 6 * (num_params - embedding) + attention
+  width = cfg.qkv_dim or cfg.D
+  pair = [attention_core.pair_flops(cfg.layer_knobs(layer), width) for layer in range(cfg.L)]
+  total = 6 * (num_params - embedding) + 3 * seq_len * sum(pair)
+  if readout_last:
+    skipped_rows = (seq_len - readout_last) / seq_len
+    row_params = 2 * cfg.D * width + 2 * cfg.D * cfg.F + cfg.D * cfg.V  # wq, wo; the MLP; the readout
+    total -= skipped_rows * (6 * row_params + 3 * seq_len * pair[-1])
+  return total
 
 
 def measured_cpu_peak(seconds: float = 0.5) -> float:

@@ -129,7 +129,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   is_main = jax.process_index() == 0
   seq_len, steps = exp.task.seq_len, config.train.steps
   tokens_per_step = config.train.batch_size * seq_len
-  flops_per_token = flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len)
+  flops_per_token = flops.flops_per_token(exp.model_cfg, exp.num_params, seq_len, exp.task.readout_last)
   procs, devices = jax.process_count(), jax.device_count()
   print(
       f"model: {exp.model_cfg.attention} attention, {exp.num_params:,} parameters; "

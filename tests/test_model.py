@@ -174,6 +174,40 @@ def test_hybrid_flops_are_the_sum_of_their_layers():
   assert per_token("hyla,hyla,hyla,softmax") == (3 * per_token("hyla") + per_token("softmax")) / 4
 
 
+def _matmul_flops(jaxpr) -> int:
+  """2 x the multiply-adds of every matrix product in a jaxpr, into nested calls."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod(
+          [eqn.invars[0].aval.shape[a] for a in contract])
+    for value in eqn.params.values():
+      inner = getattr(value, "jaxpr", value)
+      if hasattr(inner, "eqns"):
+        total += _matmul_flops(inner)
+  return total
+
+
+@pytest.mark.parametrize("preset", ["softmax", "hyla"])
+def test_flops_of_a_model_that_reads_the_last_positions(preset):
+  """What flops_per_token takes off for readout_last is what the trimmed forward pass stops
+  multiplying (x3 for training), counted from the model's matrix products."""
+  cfg = model_lib.ModelConfig(V=8, D=32, H=4, L=3, F=48, qkv_dim=16, input_dim=8, causal=False,
+                              attention=preset, attention_impl="reference", positions="none")
+  B, T, n = 2, 12, 4
+  x_btd = jnp.ones((B, T, cfg.input_dim))
+  model = model_lib.Transformer(cfg)
+  params = model.init(jax.random.key(0), x_btd)
+  forward = lambda last: _matmul_flops(
+      jax.make_jaxpr(lambda p: model.apply(p, x_btd, readout_last=last))(params).jaxpr)
+  num_params = model_lib.count_params(params)
+  saved = flops.flops_per_token(cfg, num_params, T) - flops.flops_per_token(cfg, num_params, T,
+                                                                            readout_last=n)
+  assert saved > 0
+  np.testing.assert_allclose(saved * B * T, 3 * (forward(0) - forward(n)), rtol=1e-9)
+
+
 @pytest.mark.parametrize("attention,message", [
     ("hyla,softmax,linear", "pattern of 3 layers, which does not divide model.L=4"),
     ("hyla,hyla2", "unknown attention 'hyla2'"),
