@@ -22,7 +22,7 @@ from absl import app, flags
 from jax.experimental import topologies
 from ml_collections import config_flags
 
-from lm import cli, flops
+from lm import attention, attention_hypernetwork, cli, flops
 from lm.experiment import Experiment
 
 GiB = 2**30
@@ -32,13 +32,17 @@ GiB = 2**30
 class Chip:
   hbm_bytes: int
   hbm_bytes_per_second: float  # peak FLOP/s are lm.flops.PEAK_FLOPS, which MFU uses too
+  vector_ops_per_second: float  # float32 element operations of the vector unit: an assumption
 
 
-# Per chip, from Cloud TPU's system-architecture pages; keyed by the devices' device_kind.
+# Per chip, HBM from Cloud TPU's system-architecture pages; keyed by the devices' device_kind. The
+# vector unit's rate is not published: 8 sublanes x 128 lanes x 2 ALUs per cycle (the layout Google
+# described for earlier TPUs) at the clock the MXUs' peak implies (v5e: 197 TFLOP/s over four 128 x 128
+# arrays, 1.5 GHz; v5p and v6e: 1.75 GHz).
 CHIPS = {
-    "TPU v5 lite": Chip(16 * GiB, 819e9),
-    "TPU v5": Chip(95 * GiB, 2765e9),
-    "TPU v6 lite": Chip(32 * GiB, 1640e9)
+    "TPU v5 lite": Chip(16 * GiB, 819e9, 2048 * 1.5e9),
+    "TPU v5": Chip(95 * GiB, 2765e9, 2048 * 1.75e9),
+    "TPU v6 lite": Chip(32 * GiB, 1640e9, 2048 * 1.75e9)
 }
 # Topologies libtpu accepts here (tests/test_compile.py checks every one), for the error message.
 EXAMPLES = {
@@ -77,6 +81,23 @@ def argument_bytes(exp: Experiment) -> int:
   compile still reports (the compiler's own figure replaces it when compiling succeeds)."""
   leaves = jax.tree.leaves([exp.abstract_sharded_state(), exp.batch_spec()])
   return sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape)) for x in leaves)
+
+
+def kernel_vector_ops(exp: Experiment, chips: int) -> int:
+  """Per chip and step, the float32 element operations of the Pallas kernels whose work runs on the
+  vector unit (HYLA's, lm/attention_hypernetwork.py), which the compiler's count puts at the MXU's peak
+  and its cost model cannot time."""
+  cfg, T = exp.model_cfg, exp.task.seq_len
+  call = attention.Call(T, T, cfg.causal, bias=cfg.positions == "relative_bias", dropout=cfg.attention_dropout
+                        > 0)
+  rows = -(-exp.config.train.batch_size // chips)
+  ops = 0
+  for layer in range(cfg.L):
+    knobs = cfg.layer_knobs(layer)
+    impl = cfg.attention_impl if cfg.attention_impl != "auto" else attention.choose_impl(knobs, call)["tpu"]
+    if impl == "pallas_hypernetwork":
+      ops += sum(attention_hypernetwork.vector_ops(knobs, (rows, T, cfg.H, cfg.K), cfg.causal).values())
+  return ops
 
 
 def report(config: ml_collections.ConfigDict, topology: str) -> dict:
@@ -144,8 +165,12 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
              optimal_seconds=cost["optimal_seconds"])
   out.update(peak_flops=peak, hbm_bytes_per_second=chip.hbm_bytes_per_second)
   compute, memory_time = roofline(out, out["compiler_bytes"])
-  out.update(estimated_step_seconds=max(compute, memory_time),
-             bound="compute" if compute >= memory_time else "HBM bandwidth")
+  vector_ops = kernel_vector_ops(exp, len(devices))
+  bound = "compute" if compute >= memory_time else "HBM bandwidth"
+  # Added, not overlapped: the kernels' vector work is their time, beside the rest of the step.
+  out.update(kernel_vector_ops=vector_ops, vector_ops_per_second=chip.vector_ops_per_second,
+             estimated_step_seconds=max(compute, memory_time) + vector_ops / chip.vector_ops_per_second,
+             bound=bound + " + vector unit" * (vector_ops > 0))
   out["estimated_hours"] = out["estimated_step_seconds"] * config.train.steps / 3600
   return out
 
@@ -176,6 +201,7 @@ def format_report(r: dict) -> str:
         f"  DOES NOT FIT in {_gib(r['hbm_bytes'])} of HBM; the compiler says: {r['compiler_message']}",
         f"  To fit: {fix}."
     ])
+  vector_ms = 1e3 * r["kernel_vector_ops"] / r["vector_ops_per_second"]
   optimal = (f"{r['optimal_seconds'] * 1e3:.1f} ms" if r["optimal_seconds"] > 0 else
              f"unusable ({r['optimal_seconds']:.3f} s: negative when the cost model cannot time "
              "some operation of the step)")
@@ -192,9 +218,11 @@ def format_report(r: dict) -> str:
       f"  compiler's optimal time      {optimal}",
       "estimates, not measurements (docs/compile.md says how far to trust them):",
       f"  step time   {r['estimated_step_seconds'] * 1e3:.1f} ms = max(FLOPs / "
-      f"{r['peak_flops'] / 1e12:.0f} TFLOP/s, bytes / {r['hbm_bytes_per_second'] / 1e9:.0f} GB/s), "
-      f"{r['bound']}-bound", f"  run time    {r['estimated_hours']:.1f} h for {r['steps']:,} steps "
-      f"({r['tokens'] / 1e9:.1f}B tokens)"
+      f"{r['peak_flops'] / 1e12:.0f} TFLOP/s, bytes / {r['hbm_bytes_per_second'] / 1e9:.0f} GB/s)" +
+      (f" + {vector_ms:.1f} ms of HYLA's kernels on the vector unit ({r['kernel_vector_ops']:.3e} float32 "
+       f"operations at an assumed {r['vector_ops_per_second'] / 1e12:.2f} T/s)" if vector_ms else "") +
+      f"; bound: {r['bound']}",
+      f"  run time    {r['estimated_hours']:.1f} h for {r['steps']:,} steps ({r['tokens'] / 1e9:.1f}B tokens)"
   ]
   if r["microbatches"] > 1:  # XLA's cost analysis counts a loop's body once, whatever its trip count.
     lines.append(f"  the compiler's FLOPs and bytes cover 1 of the {r['microbatches']} microbatches")

@@ -17,13 +17,14 @@ heads: shapes that would fill 8 of the MXU's 128 rows, so they stay on the vecto
 The backward pass is one kernel that walks query blocks for each key block, recomputes each tile, and
 accumulates dk and dv on chip; each tile's share of dq goes to a partial per key block (float32, summed
 by XLA), since two kernels in flash attention's split would each redo the tile's vector work, which is
-most of the time (benchmarks/hypernetwork_kernel.py). Causal tiles wholly above the diagonal are
+most of the time (`vector_ops`). Causal tiles wholly above the diagonal are
 neither computed nor fetched.
 No bias, no dropout: lm/attention.py's table sends those calls to the blocked kernel.
 """
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from lm import attention_core as core
 
+_BACKWARD = "hypernetwork_bwd"
 # A tile's float32 [BQ, d, BK] arrays (z, φ(z), dp, dz) are 1 MB each at d = 64; the backward kernel
 # holds several beside its blocks, so the scoped VMEM limit is raised from 16 MB (a v5e chip has 128 MiB).
 BLOCK_Q, BLOCK_K = 32, 128
@@ -246,6 +248,60 @@ def _cost(static: _Static, shape, itemsize: int, *, products: int, keys_outer: b
       bytes_accessed=B * row * (outer_arrays * T + inner_arrays * tiles * inner))
 
 
+# Primitives that move data, index, or run on the MXU: not the vector unit's arithmetic.
+_NOT_VECTOR_WORK = frozenset({
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "slice", "dynamic_slice", "concatenate", "get",
+    "swap", "program_id", "num_programs", "convert_element_type", "dot_general", "iota", "transpose"
+})
+
+
+def _tile_vector_ops(jaxpr) -> int:
+  """Float32 element operations in a kernel body's program, into nested calls; a conditional counts its
+  largest branch (for these kernels, the visible tile's work)."""
+  ops = 0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "cond":
+      ops += max(_tile_vector_ops(branch.jaxpr) for branch in eqn.params["branches"])
+    elif "jaxpr" in eqn.params or "call_jaxpr" in eqn.params:  # a jitted or custom-derivative function
+      inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      ops += _tile_vector_ops(getattr(inner, "jaxpr", inner))
+    elif name.startswith("reduce_"):
+      ops += math.prod(eqn.invars[0].aval.shape)
+    elif name not in _NOT_VECTOR_WORK:
+      ops += sum(math.prod(v.aval.shape) for v in eqn.outvars)
+  return ops
+
+
+@functools.cache
+def vector_ops(knobs: core.Knobs, shape: tuple[int, int, int, int], causal: bool = True) -> dict[str, int]:
+  """The kernels' vector-unit work for one forward and backward pass over q, k, v of `shape` [B, T, H, d]:
+  float32 element operations per kernel, each kernel's tile body counted from its program times the
+  tiles its grid computes. The compiler reports no time for a Pallas kernel (lm-compile divides these
+  by the chip's vector rate); matrix products, data movement and masks of packed segments are left out."""
+  B, T = shape[:2]
+  x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  loss = lambda q, k, v: attend_pallas_hypernetwork(q, k, v, knobs=knobs, causal=causal).astype(jnp.float32
+                                                                                               ).sum()
+  program = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, x, x).jaxpr
+  return {
+      eqn.params["name"]:
+          B * visible_tiles(T, causal=causal, keys_outer=eqn.params["name"] == _BACKWARD) *
+          _tile_vector_ops(eqn.params["jaxpr"]) for eqn in _pallas_calls(program)
+  }
+
+
+def _pallas_calls(jaxpr):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      yield eqn
+      continue
+    for value in eqn.params.values():
+      inner = getattr(value, "jaxpr", value)
+      if hasattr(inner, "eqns"):
+        yield from _pallas_calls(inner)
+
+
 def _params(static: _Static):
   return dict(
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
@@ -309,7 +365,7 @@ def _core_bwd(static, residuals, g_bhtd):
                       pltpu.VMEM((H, d, BLOCK_K), jnp.float32)],
       cost_estimate=_cost(static, q_bhtd.shape, q_bhtd.dtype.itemsize, products=8, keys_outer=True,
                           outer_arrays=4 + 2 * nk, inner_arrays=2),
-      name="hypernetwork_bwd",
+      name=_BACKWARD,
       **_params(static),
   )(*args)
   dq = dq_partials.sum(0).astype(q_bhtd.dtype)

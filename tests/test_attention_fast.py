@@ -170,6 +170,27 @@ def test_pallas_hypernetwork_equals_reference_in_interpret_mode(preset, causal, 
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4 * np.abs(g_ref).max(), err_msg=name)
 
 
+def test_pallas_hypernetwork_vector_work_is_counted_from_the_kernels():
+  """The vector-unit work lm-compile adds for the kernels: at least the value network's multiplies
+  and adds (z and the output forward; z, dp, both parts of da and dv backward) over every visible
+  tile, linear in the rows, fewer tiles when causal, more for a costlier φ."""
+  hyla, gelu = (attention.Knobs(**attention.preset(p)) for p in ("hyla", "hyla_gelu"))
+  B, T, H, d = 2, 512, 8, 64
+  tile = attention_hypernetwork.BLOCK_Q * attention_hypernetwork.BLOCK_K * d
+  ops = attention_hypernetwork.vector_ops(hyla, (B, T, H, d), causal=False)
+  tiles = B * (T // attention_hypernetwork.BLOCK_Q) * (T // attention_hypernetwork.BLOCK_K)
+  assert 4 * H * tile * tiles <= ops["hypernetwork_fwd"] <= 5 * H * tile * tiles
+  assert 10 * H * tile * tiles <= ops["hypernetwork_bwd"] <= 12 * H * tile * tiles
+  double = attention_hypernetwork.vector_ops(hyla, (2 * B, T, H, d), causal=False)
+  assert double == {name: 2 * n for name, n in ops.items()}
+  causal = attention_hypernetwork.vector_ops(hyla, (B, T, H, d), causal=True)
+  visible = B * attention_hypernetwork.visible_tiles(T, causal=True, keys_outer=False)
+  # Per tile the same work, up to the causal mask's few operations on [BQ, BK].
+  assert causal["hypernetwork_fwd"] / visible == pytest.approx(ops["hypernetwork_fwd"] / tiles, rel=0.02)
+  assert all(
+      a > b for a, b in zip(attention_hypernetwork.vector_ops(gelu, (B, T, H, d)).values(), causal.values()))
+
+
 def test_pallas_hypernetwork_in_bfloat16():
   """The model's compute dtype: outputs and gradients come back in bfloat16, as close to the float32
   definition as the reference computed in bfloat16 (the kernels compute the tile in float32)."""

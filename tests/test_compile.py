@@ -23,6 +23,7 @@ from small import small_config  # noqa: E402
 from configs import c4_50m, sraven  # noqa: E402
 from data_pipelines import pipeline  # noqa: E402
 from launch import compile as compile_lib  # noqa: E402
+from lm import attention, attention_hypernetwork  # noqa: E402
 from lm.experiment import Experiment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +35,9 @@ def lm_compile(*argv: str) -> subprocess.CompletedProcess:
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("attention", ["softmax", "hyla"])
-def test_compiles_c4_50m_for_v5e_4x4(attention):
-  result = lm_compile("--topology=v5e:4x4", f"--config.model.attention={attention}", *SMALL, "--json")
+@pytest.mark.parametrize("preset", ["softmax", "hyla"])
+def test_compiles_c4_50m_for_v5e_4x4(preset):
+  result = lm_compile("--topology=v5e:4x4", f"--config.model.attention={preset}", *SMALL, "--json")
   assert result.returncode == 0, result.stderr[-3000:]
   r = json.loads(result.stdout)
   assert (r["chips"], r["hosts"], r["device_kind"], r["fits"]) == (16, 4, "TPU v5 lite", True)
@@ -45,7 +46,7 @@ def test_compiles_c4_50m_for_v5e_4x4(attention):
   # replicated on every chip (parameters and two Adam moments in float32, a few scalars) and one row
   # of 5 fields of 4 bytes.
   config = c4_50m.get_config()
-  config.model.update(L=1, attention=attention)
+  config.model.update(L=1, attention=preset)
   config.train.batch_size = 16
   exp = Experiment(config, devices=compile_lib.topology_devices("v5e:4x4"))
   assert r["num_params"] == exp.num_params
@@ -54,16 +55,25 @@ def test_compiles_c4_50m_for_v5e_4x4(attention):
   # The compiler and the model agree on the step's FLOPs within the attention core's share.
   assert 0.8 < r["compiler_flops"] / r["model_flops"] < 1.25
   step = max(r["compiler_flops"], r["model_flops"]) / 197e12
-  assert r["estimated_step_seconds"] == pytest.approx(max(step, r["compiler_bytes"] / 819e9))
+  # HYLA's Pallas kernels add their vector-unit work, counted from their programs (one layer, one row
+  # per chip), at the assumed rate; softmax has none.
+  knobs = attention.Knobs(**attention.preset(preset))
+  vector_ops = sum(attention_hypernetwork.vector_ops(knobs,
+                                                     (1, 512, 8, 64)).values()) if preset == "hyla" else 0
+  assert r["kernel_vector_ops"] == vector_ops and (vector_ops > 0) == (preset == "hyla")
+  assert r["vector_ops_per_second"] == 2048 * 1.5e9
+  assert r["estimated_step_seconds"] == pytest.approx(
+      max(step, r["compiler_bytes"] / 819e9) + vector_ops / 3.072e12)
   assert r["estimated_hours"] == pytest.approx(r["estimated_step_seconds"] * r["steps"] / 3600)
   assert r["tokens"] == r["steps"] * 16 * 512
 
   text = compile_lib.format_report(r).splitlines()
-  assert text[0].startswith(f"{attention} attention, {exp.num_params:,} parameters, 16 rows x 512 "
+  assert text[0].startswith(f"{preset} attention, {exp.num_params:,} parameters, 16 rows x 512 "
                             "tokens per step; v5e:4x4: 16 chips (TPU v5 lite) on 4 hosts")
   assert "of 16.00 GiB HBM: fits" in text[6]
   assert text[12].startswith("estimates, not measurements")
-  assert text[13].endswith("bound") and text[14].endswith("B tokens)")
+  assert "; bound: " in text[13] and text[14].endswith("B tokens)")
+  assert ("ms of HYLA's kernels on the vector unit" in text[13]) == (preset == "hyla")
   # The compiler's own estimate only when it is one: it is negative when some operation is untimed.
   for seconds, shown in ((-17.004, "unusable (-17.004 s: negative when"), (0.0123, "12.3 ms")):
     assert shown in compile_lib.format_report({**r, "optimal_seconds": seconds}).splitlines()[11]
