@@ -22,7 +22,7 @@ from absl import app, flags
 from jax.experimental import topologies
 from ml_collections import config_flags
 
-from lm import attention, attention_hypernetwork, cli, flops
+from lm import attention, attention_hypernetwork, cli, flops, sharding
 from lm.experiment import Experiment
 
 GiB = 2**30
@@ -83,14 +83,15 @@ def argument_bytes(exp: Experiment) -> int:
   return sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape)) for x in leaves)
 
 
-def kernel_vector_ops(exp: Experiment, chips: int) -> int:
+def kernel_vector_ops(exp: Experiment) -> int:
   """Per chip and step, the float32 element operations of the Pallas kernels whose work runs on the
   vector unit (HYLA's, lm/attention_hypernetwork.py), which the compiler's count puts at the MXU's peak
   and its cost model cannot time."""
   cfg, T = exp.model_cfg, exp.task.seq_len
   call = attention.Call(T, T, cfg.causal, bias=cfg.positions == "relative_bias", dropout=cfg.attention_dropout
                         > 0)
-  rows = -(-exp.config.train.batch_size // chips)
+  # Rows are split over the batch axes only: the kernels take every head on every chip.
+  rows = exp.config.train.batch_size // math.prod(exp.mesh.shape[a] for a in sharding.BATCH)
   ops = 0
   for layer in range(cfg.L):
     knobs = cfg.layer_knobs(layer)
@@ -165,7 +166,7 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
              optimal_seconds=cost["optimal_seconds"])
   out.update(peak_flops=peak, hbm_bytes_per_second=chip.hbm_bytes_per_second)
   compute, memory_time = roofline(out, out["compiler_bytes"])
-  vector_ops = kernel_vector_ops(exp, len(devices))
+  vector_ops = kernel_vector_ops(exp)
   bound = "compute" if compute >= memory_time else "HBM bandwidth"
   # Added, not overlapped: the kernels' vector work is their time, beside the rest of the step.
   out.update(kernel_vector_ops=vector_ops, vector_ops_per_second=chip.vector_ops_per_second,

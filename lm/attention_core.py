@@ -209,15 +209,18 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: Knobs, causal:
                              nonlinearity=knobs.nonlinearity).astype(q.dtype)
 
 
-def per_device(local, q, k, v, segment_ids, bias, batch_axes):
+def per_device(local, q, k, v, segment_ids, bias, batch_axes, *, split_heads: bool = True):
   """local(q, k, v, segment_ids, bias) on each device's shard: Mosaic kernels are not partitioned
-  automatically, so under a mesh it runs in a shard_map over the mesh axes in `batch_axes` and the head
-  (tensor) axis."""
+  automatically, so under a mesh it runs in a shard_map over the mesh axes in `batch_axes` and, when
+  `split_heads` (the heads are independent, as in softmax attention), the head (tensor) axis. rms_head
+  and the hypernetwork value network couple all heads of a (query, key) pair, so their kernels take
+  every head: split_heads=False gathers them on each device of the tensor axis."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return local(q, k, v, segment_ids, bias)
   batch = tuple(a for a in batch_axes if a in mesh.axis_names)
-  heads = "tensor" if "tensor" in mesh.axis_names and q.shape[2] % mesh.shape["tensor"] == 0 else None
+  heads = "tensor" if split_heads and "tensor" in mesh.axis_names and q.shape[2] % mesh.shape[
+      "tensor"] == 0 else None
   qkv_spec = P(batch, None, heads, None)
   bias_spec = None if bias is None else P(batch if bias.shape[0] > 1 else None,
                                           heads if bias.shape[1] > 1 else None, None, None)

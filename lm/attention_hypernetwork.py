@@ -47,7 +47,7 @@ def attend_pallas_hypernetwork(q: jax.Array, k: jax.Array, v: jax.Array, *, knob
   normalisation, lengths a multiple of BLOCK_K, on each device's shard. interpret: Pallas's
   interpreter (any backend)."""
   local = lambda q, k, v, seg, _: _attend(q, k, v, seg, knobs=knobs, causal=causal, interpret=interpret)
-  return core.per_device(local, q, k, v, segment_ids, None, batch_axes)
+  return core.per_device(local, q, k, v, segment_ids, None, batch_axes, split_heads=False)
 
 
 def _attend(q, k, v, segment_ids, *, knobs, causal, interpret):

@@ -1,6 +1,10 @@
 """The fast attention implementations against impl="reference": values, gradients, memory, kernels."""
 
 import itertools
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -189,6 +193,36 @@ def test_pallas_hypernetwork_vector_work_is_counted_from_the_kernels():
   assert causal["hypernetwork_fwd"] / visible == pytest.approx(ops["hypernetwork_fwd"] / tiles, rel=0.02)
   assert all(
       a > b for a, b in zip(attention_hypernetwork.vector_ops(gelu, (B, T, H, d)).values(), causal.values()))
+
+
+def test_pallas_hypernetwork_on_each_device_of_a_mesh():
+  """Under a mesh of 4 CPU devices (rows over data, heads over tensor), the kernels run on each
+  device's shard (interpret mode) and give the definition's outputs and gradients."""
+  script = textwrap.dedent("""
+      import jax, jax.numpy as jnp, numpy as np
+      from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      from lm import attention, attention_hypernetwork, sharding
+      q, k, v, g = (jax.random.normal(key, (4, 128, 4, 8)) for key in jax.random.split(jax.random.key(6), 4))
+      seg = jnp.asarray([[0] * 60 + [1] * 68] * 2 + [[0] * 128] * 2)
+      knobs = attention.Knobs(**attention.preset("hyla"))
+      kernel = lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(
+          q, k, v, knobs=knobs, segment_ids=seg, batch_axes=sharding.BATCH, interpret=True)
+      reference = lambda q, k, v: attention.attend(q, k, v, **attention.preset("hyla"), segment_ids=seg)
+      want = jax.vjp(reference, q, k, v)
+      mesh = Mesh(np.asarray(jax.devices()).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
+      put = lambda x: jax.device_put(x, NamedSharding(mesh, P(sharding.BATCH, None, "tensor")))
+      with jax.set_mesh(mesh):
+        out, pull = jax.vjp(kernel, put(q), put(k), put(v))
+        grads = pull(put(g))
+      np.testing.assert_allclose(out, want[0], rtol=1e-4, atol=1e-5)
+      for a, b in zip(grads, want[1](g)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+      print("equal")
+      """)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert result.stdout.strip().endswith("equal"), result.stderr[-3000:]
 
 
 def test_pallas_hypernetwork_in_bfloat16():
