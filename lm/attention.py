@@ -138,7 +138,7 @@ class Call(NamedTuple):
 def unsupported(name: str, knobs: Knobs, call: Call) -> str | None:
   """Why implementation `name` cannot serve this call (with the fix), or None when it can."""
   impl = IMPLS[name]
-  settings = {(preset(name)["normalization"], preset(name)["value_network"]): name for name in impl.computes}
+  settings = [(preset(p)["normalization"], preset(p)["value_network"]) for p in impl.computes]
   if settings and (knobs.normalization, knobs.value_network) not in settings:
     listed = " or ".join(f"{n}/{v}" for n, v in settings)
     return (f"computes {' and '.join(impl.computes)} attention only (normalization/value_network {listed}), "

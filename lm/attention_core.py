@@ -8,7 +8,7 @@ q, k, v: [batch, seq, heads, head_dim] → out like q, in three steps (docs/pape
      z_bkqd = Σ_h a_bhqk v_bkhd, out_bqhd = Σ_k a_bhqk φ(z_bkqd).
 
 `reference` is this definition written out with einsums; `per_device` runs a Pallas kernel on each
-device's shard of a mesh. The kernels (attention_blocked.py,
+device's shard of a mesh. The kernels (attention_blocked.py, attention_hypernetwork.py,
 attention_linear.py, attention_softmax.py) build on these functions and import nothing else of ours;
 lm/attention.py says which of them computes what.
 """
@@ -219,8 +219,8 @@ def per_device(local, q, k, v, segment_ids, bias, batch_axes, *, split_heads: bo
   if mesh.empty:
     return local(q, k, v, segment_ids, bias)
   batch = tuple(a for a in batch_axes if a in mesh.axis_names)
-  heads = "tensor" if split_heads and "tensor" in mesh.axis_names and q.shape[2] % mesh.shape[
-      "tensor"] == 0 else None
+  split = split_heads and "tensor" in mesh.axis_names and q.shape[2] % mesh.shape["tensor"] == 0
+  heads = "tensor" if split else None
   qkv_spec = P(batch, None, heads, None)
   bias_spec = None if bias is None else P(batch if bias.shape[0] > 1 else None,
                                           heads if bias.shape[1] > 1 else None, None, None)

@@ -235,7 +235,7 @@ def visible_tiles(T: int, *, causal: bool, keys_outer: bool) -> int:
 def _cost(static: _Static, shape, itemsize: int, *, products: int, keys_outer: bool, outer_arrays: int,
           inner_arrays: int) -> pl.CostEstimate:
   """A kernel's work for XLA's scheduler: `products` multiply-adds of H x d per pair of every visible
-  tile (the score and the value network's products, which run on the vector unit), and its HBM
+  tile (the score on the MXU, the value network's products on the vector unit), and its HBM
   traffic: `outer_arrays` [B, H, T, d] arrays read or written once, `inner_arrays` read once per
   visible tile."""
   B, H, T, d = shape
@@ -281,8 +281,10 @@ def vector_ops(knobs: core.Knobs, shape: tuple[int, int, int, int], causal: bool
   by the chip's vector rate); matrix products, data movement and masks of packed segments are left out."""
   B, T = shape[:2]
   x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  loss = lambda q, k, v: attend_pallas_hypernetwork(q, k, v, knobs=knobs, causal=causal).astype(jnp.float32
-                                                                                               ).sum()
+
+  def loss(q, k, v):
+    return attend_pallas_hypernetwork(q, k, v, knobs=knobs, causal=causal).astype(jnp.float32).sum()
+
   program = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, x, x).jaxpr
   return {
       eqn.params["name"]:
