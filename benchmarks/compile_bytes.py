@@ -127,12 +127,10 @@ def count_blocked_tiles(exp: Experiment, devices) -> None:
   block = min(attention_blocked.BLOCK, T)
   n = T // block
   tiles = n * (n + 1) // 2 if cfg.causal else n * n
-  call = attention.Call(T, T, cfg.causal, bias=cfg.positions == "relative_bias", dropout=False)
   missed, layers = 0.0, 0
   for layer in range(cfg.L):
     knobs = cfg.layer_knobs(layer)
-    if (cfg.attention_impl if cfg.attention_impl != "auto" else attention.choose_impl(knobs, call)["tpu"]) \
-        != "blocked":
+    if cfg.layer_impl(layer, T, "tpu") != "blocked":
       continue
     args = (cfg.causal, devices[0])
     tile = blocked_core_bytes(knobs, (*shape[:1], block, *shape[2:]), model_lib.DTYPES[cfg.dtype], *args)

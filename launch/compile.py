@@ -22,7 +22,7 @@ from absl import app, flags
 from jax.experimental import topologies
 from ml_collections import config_flags
 
-from lm import attention, attention_hypernetwork, cli, flops, sharding
+from lm import attention_hypernetwork, cli, flops, sharding
 from lm.experiment import Experiment
 
 GiB = 2**30
@@ -88,17 +88,14 @@ def kernel_vector_ops(exp: Experiment) -> int:
   vector unit (HYLA's, lm/attention_hypernetwork.py), which the compiler's count puts at the MXU's peak
   and its cost model cannot time."""
   cfg, T = exp.model_cfg, exp.task.seq_len
-  call = attention.Call(T, T, cfg.causal, bias=cfg.positions == "relative_bias", dropout=cfg.attention_dropout
-                        > 0)
   # Rows are split over the batch axes only: the kernels take every head on every chip.
   rows = exp.config.train.batch_size // math.prod(exp.mesh.shape[a] for a in sharding.BATCH)
-  ops = 0
-  for layer in range(cfg.L):
-    knobs = cfg.layer_knobs(layer)
-    impl = cfg.attention_impl if cfg.attention_impl != "auto" else attention.choose_impl(knobs, call)["tpu"]
-    if impl == "pallas_hypernetwork":
-      ops += sum(attention_hypernetwork.vector_ops(knobs, (rows, T, cfg.H, cfg.K), cfg.causal).values())
-  return ops
+  return sum(
+      sum(
+          attention_hypernetwork.vector_ops(cfg.layer_knobs(layer), (rows, T, cfg.H,
+                                                                     cfg.K), cfg.causal).values())
+      for layer in range(cfg.L)
+      if cfg.layer_impl(layer, T, "tpu") == "pallas_hypernetwork")
 
 
 def report(config: ml_collections.ConfigDict, topology: str) -> dict:

@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.extend import core as jax_core
 
 from lm import attention_core as core
 
-_BACKWARD = "hypernetwork_bwd"
 # A tile's float32 [BQ, d, BK] arrays (z, φ(z), dp, dz) are 1 MB each at d = 64; the backward kernel
 # holds several beside its blocks, so the scoped VMEM limit is raised from 16 MB (a v5e chip has 128 MiB).
 BLOCK_Q, BLOCK_K = 32, 128
@@ -222,14 +222,12 @@ def _segment_args(seg_bt):
   return () if seg_bt is None else (seg_bt[:, :, None], seg_bt[:, None, :])
 
 
-def visible_tiles(T: int, *, causal: bool, keys_outer: bool) -> int:
-  """How many tiles a kernel's grid computes per batch row (each inner block fetched once for it)."""
-  nq, nk = T // BLOCK_Q, T // BLOCK_K
-  if not causal:
-    return nq * nk
-  if keys_outer:
-    return sum(nq - j * BLOCK_K // BLOCK_Q for j in range(nk))
-  return sum(min(nk, (i * BLOCK_Q + BLOCK_Q - 1) // BLOCK_K + 1) for i in range(nq))
+def visible_tiles(T: int, causal: bool) -> int:
+  """How many tiles a kernel's grid computes per batch row, in either order of its loops."""
+  return sum(
+      bool(_visible(causal, i, j, BLOCK_Q, BLOCK_K))
+      for i in range(T // BLOCK_Q)
+      for j in range(T // BLOCK_K))
 
 
 def _cost(static: _Static, shape, itemsize: int, *, products: int, keys_outer: bool, outer_arrays: int,
@@ -239,7 +237,7 @@ def _cost(static: _Static, shape, itemsize: int, *, products: int, keys_outer: b
   traffic: `outer_arrays` [B, H, T, d] arrays read or written once, `inner_arrays` read once per
   visible tile."""
   B, H, T, d = shape
-  tiles = visible_tiles(T, causal=static.causal, keys_outer=keys_outer)
+  tiles = visible_tiles(T, static.causal)
   row = H * d * itemsize
   inner = BLOCK_Q if keys_outer else BLOCK_K
   return pl.CostEstimate(
@@ -263,9 +261,8 @@ def _tile_vector_ops(jaxpr) -> int:
     name = eqn.primitive.name
     if name == "cond":
       ops += max(_tile_vector_ops(branch.jaxpr) for branch in eqn.params["branches"])
-    elif "jaxpr" in eqn.params or "call_jaxpr" in eqn.params:  # a jitted or custom-derivative function
-      inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-      ops += _tile_vector_ops(getattr(inner, "jaxpr", inner))
+    elif subprograms := list(jax_core.jaxprs_in_params(eqn.params)):  # a jitted or custom-derivative function
+      ops += sum(_tile_vector_ops(sub) for sub in subprograms)
     elif name.startswith("reduce_"):
       ops += math.prod(eqn.invars[0].aval.shape)
     elif name not in _NOT_VECTOR_WORK:
@@ -287,9 +284,8 @@ def vector_ops(knobs: core.Knobs, shape: tuple[int, int, int, int], causal: bool
 
   program = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, x, x).jaxpr
   return {
-      eqn.params["name"]:
-          B * visible_tiles(T, causal=causal, keys_outer=eqn.params["name"] == _BACKWARD) *
-          _tile_vector_ops(eqn.params["jaxpr"]) for eqn in _pallas_calls(program)
+      eqn.params["name"]: B * visible_tiles(T, causal) * _tile_vector_ops(eqn.params["jaxpr"])
+      for eqn in _pallas_calls(program)
   }
 
 
@@ -297,11 +293,9 @@ def _pallas_calls(jaxpr):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call":
       yield eqn
-      continue
-    for value in eqn.params.values():
-      inner = getattr(value, "jaxpr", value)
-      if hasattr(inner, "eqns"):
-        yield from _pallas_calls(inner)
+    else:
+      for sub in jax_core.jaxprs_in_params(eqn.params):
+        yield from _pallas_calls(sub)
 
 
 def _params(static: _Static):
@@ -367,7 +361,7 @@ def _core_bwd(static, residuals, g_bhtd):
                       pltpu.VMEM((H, d, BLOCK_K), jnp.float32)],
       cost_estimate=_cost(static, q_bhtd.shape, q_bhtd.dtype.itemsize, products=8, keys_outer=True,
                           outer_arrays=4 + 2 * nk, inner_arrays=2),
-      name=_BACKWARD,
+      name="hypernetwork_bwd",
       **_params(static),
   )(*args)
   dq = dq_partials.sum(0).astype(q_bhtd.dtype)

@@ -51,10 +51,8 @@ class ModelConfig:
       raise ValueError(f"unknown model.remat {self.remat!r}; choose one of: {', '.join(REMATS)}")
     if not 0.0 <= self.attention_dropout < 1.0:
       raise ValueError(f"model.attention_dropout must be in [0, 1), got {self.attention_dropout}")
-    call = attention.Call(None, None, self.causal, bias=self.positions == "relative_bias",
-                          dropout=self.attention_dropout > 0)
     for layer in range(self.L):
-      attention.check(self.attention_impl, self.layer_knobs(layer), call)
+      attention.check(self.attention_impl, self.layer_knobs(layer), self.attention_call())
     qkv = self.qkv_dim or self.D
     if qkv % self.H:
       raise ValueError(f"q/k/v width {qkv} is not divisible by {self.H} heads; "
@@ -78,6 +76,17 @@ class ModelConfig:
 
   def layer_knobs(self, layer: int) -> "attention.Knobs":
     return attention.Knobs(**attention.preset(layer_presets(self.attention, self.L)[layer]))
+
+  def attention_call(self, seq_len: int | None = None) -> "attention.Call":
+    """What every layer's self-attention asks of an implementation at this length (None: not known)."""
+    return attention.Call(seq_len, seq_len, self.causal, bias=self.positions == "relative_bias",
+                          dropout=self.attention_dropout > 0)
+
+  def layer_impl(self, layer: int, seq_len: int, platform: str) -> str:
+    """The implementation layer `layer` runs on `platform` at this length (auto resolved)."""
+    if self.attention_impl != "auto":
+      return self.attention_impl
+    return attention.choose_impl(self.layer_knobs(layer), self.attention_call(seq_len))[platform]
 
   @property
   def K(self) -> int:

@@ -188,7 +188,7 @@ def test_pallas_hypernetwork_vector_work_is_counted_from_the_kernels():
   double = attention_hypernetwork.vector_ops(hyla, (2 * B, T, H, d), causal=False)
   assert double == {name: 2 * n for name, n in ops.items()}
   causal = attention_hypernetwork.vector_ops(hyla, (B, T, H, d), causal=True)
-  visible = B * attention_hypernetwork.visible_tiles(T, causal=True, keys_outer=False)
+  visible = B * attention_hypernetwork.visible_tiles(T, True)
   # Per tile the same work, up to the causal mask's few operations on [BQ, BK].
   assert causal["hypernetwork_fwd"] / visible == pytest.approx(ops["hypernetwork_fwd"] / tiles, rel=0.02)
   assert all(

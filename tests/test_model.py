@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import ad_checkpoint
+from jax.extend import core as jax_core
 
 from lm import attention, checkpointing, cross_entropy, flops, model as model_lib
 
@@ -182,10 +183,7 @@ def _matmul_flops(jaxpr) -> int:
       (contract, _), _ = eqn.params["dimension_numbers"]
       total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod(
           [eqn.invars[0].aval.shape[a] for a in contract])
-    for value in eqn.params.values():
-      inner = getattr(value, "jaxpr", value)
-      if hasattr(inner, "eqns"):
-        total += _matmul_flops(inner)
+    total += sum(_matmul_flops(sub) for sub in jax_core.jaxprs_in_params(eqn.params))
   return total
 
 
