@@ -271,6 +271,25 @@ def test_sigint_saves_and_exits_130(small_corpus, reference, tmp_path):
   assert losses(workdir) == {s: l for s, l in losses(reference).items() if s <= saved}
 
 
+def test_resuming_in_more_microbatches_continues_the_same_run(small_corpus, reference, tmp_path):
+  """The out-of-memory message's first fix, raising train.microbatches, applies to a run that has
+  checkpoints: the resumed steps compute what the uninterrupted run computed (up to the order of a
+  float32 sum)."""
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  shutil.rmtree(workdir / "checkpoints" / "30")
+  c = small_config(small_corpus)
+  c.train.update(steps=30, log_every_steps=1, microbatches=2)
+  c.checkpoint.update(every_steps=5, keep=2)
+  c.eval.every_steps = 1000
+  before = len(run_log.read(workdir))
+  train.train_and_evaluate(c, str(workdir))
+  resumed = {r["step"]: r["loss"] for r in run_log.read(workdir)[before:] if r["kind"] == "train"}
+  assert sorted(resumed) == [26, 27, 28, 29, 30]
+  want = losses(reference)
+  np.testing.assert_allclose([resumed[s] for s in resumed], [want[s] for s in resumed], rtol=1e-5)
+
+
 def test_resuming_with_fewer_steps_than_the_checkpoint_stops(small_corpus, reference, tmp_path):
   """Going on would evaluate step 30's parameters and log them as step 20's."""
   workdir = tmp_path / "run"
