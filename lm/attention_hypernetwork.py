@@ -14,6 +14,9 @@ autodiff); z [BQ, d, BK] = Σ_h a_h[:, None, :] · vᵀ_h[None] on the vector un
 is a reduction over lanes. With 8 heads of 64 the value network's products contract over, or stack, 8
 heads: shapes that would fill 8 of the MXU's 128 rows, so they stay on the vector unit.
 
+The forward kernel's grid steps hold 128 queries (BLOCK_Q_FORWARD) and walk them in tiles of 32, so
+that a key block is read from HBM once per 128 queries while a tile's z stays 1 MB.
+
 The backward pass is one kernel that walks query blocks for each key block, recomputes each tile, and
 accumulates dk and dv on chip; each tile's share of dq goes to a partial per key block (float32, summed
 by XLA), since two kernels in flash attention's split would each redo the tile's vector work, which is
@@ -25,6 +28,7 @@ No bias, no dropout: lm/attention.py's table sends those calls to the blocked ke
 import dataclasses
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +41,12 @@ from lm import attention_core as core
 # A tile's float32 [BQ, d, BK] arrays (z, φ(z), dp, dz) are 1 MB each at d = 64; the backward kernel
 # holds several beside its blocks, so the scoped VMEM limit is raised from 16 MB (a v5e chip has 128 MiB).
 BLOCK_Q, BLOCK_K = 32, 128
+# The forward kernel's grid steps take this many queries, walked in tiles of BLOCK_Q: each key block is
+# then read once per 128 queries, not per 32 (a quarter of the forward's HBM traffic for k and v).
+# BLOCK_K is a multiple of it, so every tile of a causally visible step is visible too.
+BLOCK_Q_FORWARD = 128
+# Each kernel's queries per grid step, by the name its pallas_call carries.
+_GRID_QUERY_BLOCK = {"hypernetwork_fwd": BLOCK_Q_FORWARD, "hypernetwork_bwd": BLOCK_Q}
 VMEM_LIMIT = 32 * 2**20
 
 
@@ -85,22 +95,29 @@ def _first_query_block(causal: bool, i, j, bq: int, bk: int):
   return jnp.maximum(i, jax.lax.div(j * bk, bq)) if causal else i
 
 
-def _tile(static: _Static, i, j, q_ref, k_ref, vt_ref, segq_ref, segk_ref):
-  """Tile (i, j) up to z: the mask [BQ, BK] (or None), the normalisation's pullback, the weights
-  a [1, H, BQ, BK], vᵀ [H, d, BK] and z [BQ, d, BK], all float32."""
-  _, H, bq, d = q_ref.shape
+def _sum_heads(terms: list[jax.Array]) -> jax.Array:
+  """Σ of the heads' [BQ, d, BK] terms from the first (Python's sum would add the first to 0: one
+  more pass over the tile on the vector unit)."""
+  return functools.reduce(operator.add, terms)
+
+
+def _tile(static: _Static, q0, k0, q_hqd, k_ref, vt_ref, segq_q1, segk_1k):
+  """The tile of queries q_hqd [H, BQ, d] from position q0 and the key block from k0, up to z: the mask
+  [BQ, BK] (or None), the normalisation's pullback, the weights a [1, H, BQ, BK], vᵀ [H, d, BK] and z
+  [BQ, d, BK], all float32. segq_q1 [BQ, 1] and segk_1k [1, BK]: segment ids, or None."""
+  H, bq, d = q_hqd.shape
   bk = k_ref.shape[2]
   mask = None
   if static.causal:
-    q_pos = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    k_pos = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    q_pos = q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     mask = q_pos >= k_pos
-  if segq_ref is not None:
-    same = segq_ref[0] == segk_ref[0]  # [BQ, 1] == [1, BK]
+  if segq_q1 is not None:
+    same = segq_q1 == segk_1k
     mask = same if mask is None else mask & same
   contract_d = (((1,), (1,)), ((), ()))
   s_1hqk = jnp.stack([
-      jax.lax.dot_general(q_ref[0, h], k_ref[0, h], contract_d, preferred_element_type=jnp.float32)
+      jax.lax.dot_general(q_hqd[h], k_ref[0, h], contract_d, preferred_element_type=jnp.float32)
       for h in range(H)
   ])[None] * d**-0.5
   mask_11qk = None if mask is None else mask[None, None]
@@ -109,20 +126,21 @@ def _tile(static: _Static, i, j, q_ref, k_ref, vt_ref, segq_ref, segk_ref):
   a_1hqk, normalize_pullback = jax.vjp(
       lambda s: core.normalize(s, mask_11qk, normalization=static.knobs.normalization), s_1hqk)
   vt_hdk = vt_ref[0].astype(jnp.float32)
-  z_qdk = sum(a_1hqk[0, h][:, None, :] * vt_hdk[h][None] for h in range(H))
+  z_qdk = _sum_heads([a_1hqk[0, h][:, None, :] * vt_hdk[h][None] for h in range(H)])
   return mask_11qk, normalize_pullback, a_1hqk, vt_hdk, z_qdk
 
 
-def _tile_grads(static: _Static, i, j, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref):
-  """Tile (i, j)'s weights a [1, H, BQ, BK], the cotangent ds [1, H, BQ, BK] of the scaled scores (the
+def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref):
+  """The tile's weights a [1, H, BQ, BK], the cotangent ds [1, H, BQ, BK] of the scaled scores (the
   caller applies 1/sqrt(d) for dq and dk) and dz [BQ, d, BK], given the output's cotangent g [H, BQ, d]."""
   H = q_ref.shape[1]
-  mask_11qk, normalize_pullback, a_1hqk, vt_hdk, z_qdk = _tile(static, i, j, q_ref, k_ref, vt_ref, segq_ref,
-                                                               segk_ref)
+  segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
+  mask_11qk, normalize_pullback, a_1hqk, vt_hdk, z_qdk = _tile(static, q0, k0, q_ref[0], k_ref, vt_ref,
+                                                               segq_q1, segk_1k)
   p_qdk, phi_pullback = jax.vjp(core.NONLINEARITIES[static.knobs.nonlinearity], z_qdk)
   g_hqd = g_ref[0].astype(jnp.float32)
   g_hqd1 = [g_hqd[h][:, :, None] for h in range(H)]
-  dz_qdk = phi_pullback(sum(a_1hqk[0, h][:, None, :] * g_hqd1[h] for h in range(H)))[0]
+  dz_qdk = phi_pullback(_sum_heads([a_1hqk[0, h][:, None, :] * g_hqd1[h] for h in range(H)]))[0]
   # a_h's cotangent: through the output (Σ_d g_h · φ(z)) and through z (Σ_d dz · v_h).
   da_1hqk = jnp.stack([(g_hqd1[h] * p_qdk + dz_qdk * vt_hdk[h][None]).sum(1) for h in range(H)])[None]
   ds_1hqk = normalize_pullback(da_1hqk)[0]
@@ -136,19 +154,23 @@ def _forward_kernel(*refs, static, segments):
   segq_ref, segk_ref = refs[3:5] if segments else (None, None)
   out_ref, acc_ref = refs[-2:]
   i, j = pl.program_id(1), pl.program_id(2)
-  _, H, bq, _ = q_ref.shape
+  _, H, bqf, _ = q_ref.shape
   bk = k_ref.shape[2]
 
   @pl.when(j == 0)
   def _():
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  @pl.when(_visible(static.causal, i, j, bq, bk))
+  @pl.when(_visible(static.causal, i, j, bqf, bk))
   def _():
-    _, _, a_1hqk, _, z_qdk = _tile(static, i, j, q_ref, k_ref, vt_ref, segq_ref, segk_ref)
-    p_qdk = core.NONLINEARITIES[static.knobs.nonlinearity](z_qdk)
-    for h in range(H):
-      acc_ref[h] += (a_1hqk[0, h][:, None, :] * p_qdk).sum(-1)
+    for t in range(bqf // BLOCK_Q):
+      rows = slice(t * BLOCK_Q, (t + 1) * BLOCK_Q)
+      segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0, rows], segk_ref[0])
+      _, _, a_1hqk, _, z_qdk = _tile(static, i * bqf + t * BLOCK_Q, j * bk, q_ref[0, :, rows], k_ref, vt_ref,
+                                     segq_q1, segk_1k)
+      p_qdk = core.NONLINEARITIES[static.knobs.nonlinearity](z_qdk)
+      for h in range(H):
+        acc_ref[h, rows] += (a_1hqk[0, h][:, None, :] * p_qdk).sum(-1)
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
@@ -173,7 +195,8 @@ def _backward_kernel(*refs, static, segments):
 
   @pl.when(visible)
   def _():
-    a_1hqk, ds_1hqk, dz_qdk = _tile_grads(static, i, j, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref)
+    a_1hqk, ds_1hqk, dz_qdk = _tile_grads(static, i * bq, j * bk, q_ref, k_ref, vt_ref, g_ref, segq_ref,
+                                          segk_ref)
     contract_q = (((0,), (0,)), ((), ()))
     for h in range(H):
       ds_qk = ds_1hqk[0, h].astype(q_ref.dtype)
@@ -192,11 +215,12 @@ def _backward_kernel(*refs, static, segments):
     dvt_ref[0] = dvt_acc_ref[...].astype(dvt_ref.dtype)
 
 
-def _specs(static: _Static, shape, segments: bool, *, keys_outer: bool, with_g: bool):
-  """Block specs of (q, k, vᵀ[, g][, query segments, key segments]) for a grid (b, outer, inner):
-  outer query blocks and inner key blocks, or (keys_outer) the other way round."""
+def _specs(static: _Static, shape, segments: bool, *, bq: int, keys_outer: bool, with_g: bool):
+  """Block specs of (q, k, vᵀ[, g][, query segments, key segments]) for a grid (b, outer, inner) over
+  blocks of bq queries and BLOCK_K keys: outer query blocks and inner key blocks, or (keys_outer) the
+  other way round."""
   _, H, _, d = shape
-  bq, bk, causal = BLOCK_Q, BLOCK_K, static.causal
+  bk, causal = BLOCK_K, static.causal
   if keys_outer:
     qi = lambda j, i: _first_query_block(causal, i, j, bq, bk)
     ij = lambda o, n: (qi(o, n), o)
@@ -222,27 +246,25 @@ def _segment_args(seg_bt):
   return () if seg_bt is None else (seg_bt[:, :, None], seg_bt[:, None, :])
 
 
-def visible_tiles(T: int, causal: bool) -> int:
-  """How many tiles a kernel's grid computes per batch row, in either order of its loops."""
-  return sum(
-      bool(_visible(causal, i, j, BLOCK_Q, BLOCK_K))
-      for i in range(T // BLOCK_Q)
-      for j in range(T // BLOCK_K))
+def visible_tiles(T: int, causal: bool, bq: int = BLOCK_Q) -> int:
+  """How many blocks of bq queries by BLOCK_K keys a kernel's grid computes per batch row, in either
+  order of its loops."""
+  return sum(bool(_visible(causal, i, j, bq, BLOCK_K)) for i in range(T // bq) for j in range(T // BLOCK_K))
 
 
-def _cost(static: _Static, shape, itemsize: int, *, products: int, keys_outer: bool, outer_arrays: int,
-          inner_arrays: int) -> pl.CostEstimate:
+def _cost(static: _Static, shape, itemsize: int, *, bq: int, products: int, keys_outer: bool,
+          outer_arrays: int, inner_arrays: int) -> pl.CostEstimate:
   """A kernel's work for XLA's scheduler: `products` multiply-adds of H x d per pair of every visible
-  tile (the score on the MXU, the value network's products on the vector unit), and its HBM
-  traffic: `outer_arrays` [B, H, T, d] arrays read or written once, `inner_arrays` read once per
-  visible tile."""
+  block of bq queries (the score on the MXU, the value network's products on the vector unit), and
+  its HBM traffic: `outer_arrays` [B, H, T, d] arrays read or written once, `inner_arrays` read once
+  per visible block."""
   B, H, T, d = shape
-  tiles = visible_tiles(T, static.causal)
+  tiles = visible_tiles(T, static.causal, bq)
   row = H * d * itemsize
-  inner = BLOCK_Q if keys_outer else BLOCK_K
+  inner = bq if keys_outer else BLOCK_K
   return pl.CostEstimate(
-      flops=2 * B * tiles * BLOCK_Q * BLOCK_K * H * d * products,
-      transcendentals=B * tiles * BLOCK_Q * BLOCK_K * (static.knobs.normalization == "rms_head"),
+      flops=2 * B * tiles * bq * BLOCK_K * H * d * products,
+      transcendentals=B * tiles * bq * BLOCK_K * (static.knobs.normalization == "rms_head"),
       bytes_accessed=B * row * (outer_arrays * T + inner_arrays * tiles * inner))
 
 
@@ -284,8 +306,9 @@ def vector_ops(knobs: core.Knobs, shape: tuple[int, int, int, int], causal: bool
 
   program = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, x, x).jaxpr
   return {
-      eqn.params["name"]: B * visible_tiles(T, causal) * _tile_vector_ops(eqn.params["jaxpr"])
-      for eqn in _pallas_calls(program)
+      eqn.params["name"]:
+          B * visible_tiles(T, causal, _GRID_QUERY_BLOCK[eqn.params["name"]]) *
+          _tile_vector_ops(eqn.params["jaxpr"]) for eqn in _pallas_calls(program)
   }
 
 
@@ -322,13 +345,13 @@ def _core_fwd(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt):
   segments = seg_bt is not None
   out = pl.pallas_call(
       functools.partial(_forward_kernel, static=static, segments=segments),
-      grid=(B, T // BLOCK_Q, T // BLOCK_K),
-      in_specs=_specs(static, q_bhtd.shape, segments, keys_outer=False, with_g=False),
-      out_specs=pl.BlockSpec((1, H, BLOCK_Q, d), lambda b, i, j: (b, 0, i, 0)),
+      grid=(B, T // BLOCK_Q_FORWARD, T // BLOCK_K),
+      in_specs=_specs(static, q_bhtd.shape, segments, bq=BLOCK_Q_FORWARD, keys_outer=False, with_g=False),
+      out_specs=pl.BlockSpec((1, H, BLOCK_Q_FORWARD, d), lambda b, i, j: (b, 0, i, 0)),
       out_shape=jax.ShapeDtypeStruct(q_bhtd.shape, q_bhtd.dtype),
-      scratch_shapes=[pltpu.VMEM((H, BLOCK_Q, d), jnp.float32)],
-      cost_estimate=_cost(static, q_bhtd.shape, q_bhtd.dtype.itemsize, products=3, keys_outer=False,
-                          outer_arrays=2, inner_arrays=2),
+      scratch_shapes=[pltpu.VMEM((H, BLOCK_Q_FORWARD, d), jnp.float32)],
+      cost_estimate=_cost(static, q_bhtd.shape, q_bhtd.dtype.itemsize, bq=BLOCK_Q_FORWARD, products=3,
+                          keys_outer=False, outer_arrays=2, inner_arrays=2),
       name="hypernetwork_fwd",
       **_params(static),
   )(q_bhtd, k_bhtd, vt_bhdt, *_segment_args(seg_bt))
@@ -346,7 +369,7 @@ def _core_bwd(static, residuals, g_bhtd):
   dq_partials, dk, dvt = pl.pallas_call(
       functools.partial(_backward_kernel, static=static, segments=segments),
       grid=(B, nk, T // BLOCK_Q),
-      in_specs=_specs(static, q_bhtd.shape, segments, keys_outer=True, with_g=True),
+      in_specs=_specs(static, q_bhtd.shape, segments, bq=BLOCK_Q, keys_outer=True, with_g=True),
       out_specs=[
           pl.BlockSpec((1, 1, H, BLOCK_Q, d), lambda b, j, i: (j, b, 0, i, 0)),
           pl.BlockSpec((1, H, BLOCK_K, d), lambda b, j, i: (b, 0, j, 0)),
@@ -359,8 +382,8 @@ def _core_bwd(static, residuals, g_bhtd):
       ],
       scratch_shapes=[pltpu.VMEM((H, BLOCK_K, d), jnp.float32),
                       pltpu.VMEM((H, d, BLOCK_K), jnp.float32)],
-      cost_estimate=_cost(static, q_bhtd.shape, q_bhtd.dtype.itemsize, products=8, keys_outer=True,
-                          outer_arrays=4 + 2 * nk, inner_arrays=2),
+      cost_estimate=_cost(static, q_bhtd.shape, q_bhtd.dtype.itemsize, bq=BLOCK_Q, products=8,
+                          keys_outer=True, outer_arrays=4 + 2 * nk, inner_arrays=2),
       name="hypernetwork_bwd",
       **_params(static),
   )(*args)

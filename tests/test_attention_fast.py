@@ -158,7 +158,8 @@ def test_splash_equals_reference_in_interpret_mode(causal):
                                                     ("hyla_gelu", False, True)])
 def test_pallas_hypernetwork_equals_reference_in_interpret_mode(preset, causal, segments):
   """The TPU hypernetwork kernels run by Pallas's interpreter: the same outputs and gradients as the
-  definition (two key blocks, eight query blocks; the causal case skips the tiles above the diagonal)."""
+  definition (two key blocks; eight query blocks backward, two of four tiles each forward; the causal
+  case skips the tiles above the diagonal)."""
   q, k, v, cotangent = (
       jax.random.normal(key, (2, 256, 2, 8)) for key in jax.random.split(jax.random.key(4), 4))
   segment_ids = jnp.asarray([[0] * 50 + [1] * 150 + [2] * 56, [0] * 256]) if segments else None
