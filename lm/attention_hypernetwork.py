@@ -45,8 +45,9 @@ BLOCK_Q, BLOCK_K = 32, 128
 # then read once per 128 queries, not per 32 (a quarter of the forward's HBM traffic for k and v).
 # BLOCK_K is a multiple of it, so every tile of a causally visible step is visible too.
 BLOCK_Q_FORWARD = 128
-# Each kernel's queries per grid step, by the name its pallas_call carries.
-_GRID_QUERY_BLOCK = {"hypernetwork_fwd": BLOCK_Q_FORWARD, "hypernetwork_bwd": BLOCK_Q}
+_FORWARD, _BACKWARD = "hypernetwork_fwd", "hypernetwork_bwd"  # the kernels' pallas_call names
+# Each kernel's queries per grid step, by its name.
+_GRID_QUERY_BLOCK = {_FORWARD: BLOCK_Q_FORWARD, _BACKWARD: BLOCK_Q}
 VMEM_LIMIT = 32 * 2**20
 
 
@@ -352,7 +353,7 @@ def _core_fwd(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt):
       scratch_shapes=[pltpu.VMEM((H, BLOCK_Q_FORWARD, d), jnp.float32)],
       cost_estimate=_cost(static, q_bhtd.shape, q_bhtd.dtype.itemsize, bq=BLOCK_Q_FORWARD, products=3,
                           keys_outer=False, outer_arrays=2, inner_arrays=2),
-      name="hypernetwork_fwd",
+      name=_FORWARD,
       **_params(static),
   )(q_bhtd, k_bhtd, vt_bhdt, *_segment_args(seg_bt))
   return out, (q_bhtd, k_bhtd, vt_bhdt, seg_bt)
@@ -384,7 +385,7 @@ def _core_bwd(static, residuals, g_bhtd):
                       pltpu.VMEM((H, d, BLOCK_K), jnp.float32)],
       cost_estimate=_cost(static, q_bhtd.shape, q_bhtd.dtype.itemsize, bq=BLOCK_Q, products=8,
                           keys_outer=True, outer_arrays=4 + 2 * nk, inner_arrays=2),
-      name="hypernetwork_bwd",
+      name=_BACKWARD,
       **_params(static),
   )(*args)
   dq = dq_partials.sum(0).astype(q_bhtd.dtype)
