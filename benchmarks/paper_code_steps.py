@@ -39,6 +39,15 @@ def guarded_run_module(repo: pathlib.Path):
   return run_guarded
 
 
+def configured_run_module(repo: str, task: str, model: str, *flags: str):
+  """The guarded run.py with its flags parsed: its config for `task` (a logic_* or raven_* name) and
+  sequence mixer `model`, and any other of its flags."""
+  run = guarded_run_module(pathlib.Path(repo))
+  config_file = "logic.py" if task.startswith("logic") else "raven.py"
+  run.FLAGS([f"{repo}/run.py", f"--config={repo}/configs/{config_file}:{task};{model}", *flags])
+  return run
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--repo", required=True)
@@ -48,12 +57,7 @@ def main():
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--warmup_steps", type=int, default=5, help="untimed steps (compilation)")
   args = parser.parse_args()
-  run = guarded_run_module(pathlib.Path(args.repo))
-  config_file = "logic.py" if args.task.startswith("logic") else "raven.py"
-  run.FLAGS([
-      f"{args.repo}/run.py", f"--config={args.repo}/configs/{config_file}:{args.task};{args.model}",
-      "--logger=standard"
-  ])
+  run = configured_run_module(args.repo, args.task, args.model, "--logger=standard")
   import jax  # noqa: PLC0415  (after its flags are parsed, as in its run.py)
 
   config = run.FLAGS.config
