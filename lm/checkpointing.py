@@ -36,6 +36,9 @@ MUTABLE_FIELDS = ("model.attention_impl", "train.cross_entropy_impl", "model.rem
 ADDED_FIELDS = {
     "model.relative_bidirectional": True,
     "model.relative_bias_per_layer": False,
+    "model.relative_bias_std": 0.02,
+    "model.projection_bias": False,
+    "model.residual_init": "depth",
     "train.schedule": "cosine",
 }
 

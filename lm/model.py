@@ -18,6 +18,9 @@ POSITIONS = ("rotary", "relative_bias", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # What the backward pass recomputes instead of reading back from memory (docs/compile_table.md).
 REMATS = ("none", "mlp", "block")
+# Initial scale of the weights that write into the residual stream (attention and MLP outputs):
+# 1/sqrt(fan-in x 2L) (GPT-2's depth scaling) or 1/sqrt(fan-in) (flax's default, the paper's code).
+RESIDUAL_INITS = ("depth", "fan_in")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,12 @@ class ModelConfig:
   relative_max_distance: int = 128
   relative_bidirectional: bool = True  # False: later keys share the query's bucket 0 (the paper's code)
   relative_bias_per_layer: bool = False  # one bias table per layer (the paper's code) or one shared (T5)
+  relative_bias_std: float = 0.02  # initial std of the bias tables (the paper's code: buckets^-0.5)
+  # Zero-initialised additive biases in the input, q/k/v, attention-output and MLP projections (the
+  # paper's code, as flax's Dense). Not only offsets: a key bias adds q·b_k to every key's score, which
+  # softmax cancels but unnormalised and rms_head attention keep.
+  projection_bias: bool = False
+  residual_init: str = "depth"  # a name in RESIDUAL_INITS
   tied_embeddings: bool = False
   input_dim: int = 0  # >0: inputs are float vectors of this width instead of token ids
   dtype: str = "float32"  # compute dtype; parameters stay float32
@@ -49,6 +58,9 @@ class ModelConfig:
       object.__setattr__(self, "remat", "block" if self.remat else "none")
     if self.remat not in REMATS:
       raise ValueError(f"unknown model.remat {self.remat!r}; choose one of: {', '.join(REMATS)}")
+    if self.residual_init not in RESIDUAL_INITS:
+      raise ValueError(f"unknown model.residual_init {self.residual_init!r}; "
+                       f"choose one of: {', '.join(RESIDUAL_INITS)}")
     if not 0.0 <= self.attention_dropout < 1.0:
       raise ValueError(f"model.attention_dropout must be in [0, 1), got {self.attention_dropout}")
     for layer in range(self.L):
@@ -114,6 +126,18 @@ def _init(stddev: float, *axes: str | None) -> nn.initializers.Initializer:
   return nn.with_logical_partitioning(nn.initializers.normal(stddev=stddev), axes)
 
 
+def _bias(module: nn.Module, name: str, shape: tuple[int, ...], *axes: str | None,
+          dtype) -> jax.Array | float:
+  """The zero-initialised additive bias `name` when model.projection_bias, else 0."""
+  if not module.cfg.projection_bias:
+    return 0.0
+  return module.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape).astype(dtype)
+
+
+def _residual_std(cfg: ModelConfig, fan_in: int) -> float:
+  return (fan_in * (2 * cfg.L if cfg.residual_init == "depth" else 1))**-0.5
+
+
 def _layer_norm(dtype, name: str) -> nn.LayerNorm:
   # Scale and bias are D-vectors, replicated: sharding them would save nothing and cost a gather.
   return nn.LayerNorm(dtype=dtype, name=name,
@@ -172,12 +196,14 @@ class Attention(nn.Module):
     D, H, K = cfg.D, cfg.H, cfg.K
     init = _init(D**-0.5, "embed", "heads", None)
     w = {n: self.param(n, init, (D, H, K)).astype(dtype) for n in ("wq", "wk", "wv")}
-    wo_hkd = self.param("wo", _init((H * K * 2 * cfg.L)**-0.5, "heads", None, "embed"),
+    wo_hkd = self.param("wo", _init(_residual_std(cfg, H * K), "heads", None, "embed"),
                         (H, K, D)).astype(dtype)
     T = x_btd.shape[1]
     q0 = T - self.query_last if self.query_last else 0  # the first position that asks a query
-    q_bthk = jnp.einsum("btd,dhk->bthk", x_btd[:, q0:], w["wq"])
-    k_bthk, v_bthk = (jnp.einsum("btd,dhk->bthk", x_btd, w[name]) for name in ("wk", "wv"))
+    b = {n: _bias(self, f"b{n[1]}", (H, K), "heads", None, dtype=dtype) for n in ("wq", "wk", "wv")}
+    bo_d = _bias(self, "bo", (D,), None, dtype=dtype)
+    q_bthk = jnp.einsum("btd,dhk->bthk", x_btd[:, q0:], w["wq"]) + b["wq"]
+    k_bthk, v_bthk = (jnp.einsum("btd,dhk->bthk", x_btd, w[name]) + b[name] for name in ("wk", "wv"))
     knobs = cfg.layer_knobs(self.layer)
     positions, impl = None, cfg.attention_impl
     if q0:
@@ -197,7 +223,7 @@ class Attention(nn.Module):
       else:
         out_bthk = decode_cache.KeyValueCache(self.decode_len, knobs, name="kv")(q_bthk, k_bthk, v_bthk,
                                                                                  positions_bt, bias_bhqk)
-      return jnp.einsum("bthk,hkd->btd", out_bthk, wo_hkd)
+      return jnp.einsum("bthk,hkd->btd", out_bthk, wo_hkd) + bo_d
     if self.is_mutable_collection("codes"):
       self.sow(
           "codes", "a_bhqk",
@@ -210,7 +236,7 @@ class Attention(nn.Module):
                                 dropout_rate=dropout,
                                 dropout_rng=self.make_rng("dropout") if dropout else None,
                                 positions=positions)
-    return jnp.einsum("bthk,hkd->btd", out_bthk, wo_hkd)
+    return jnp.einsum("bthk,hkd->btd", out_bthk, wo_hkd) + bo_d
 
 
 class Mlp(nn.Module):
@@ -220,14 +246,16 @@ class Mlp(nn.Module):
   def __call__(self, x_btd):
     cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
     wi_df = self.param("wi", _init(cfg.D**-0.5, "embed", "mlp"), (cfg.D, cfg.F)).astype(dtype)
-    wo_fd = self.param("wo", _init((cfg.F * 2 * cfg.L)**-0.5, "mlp", "embed"), (cfg.F, cfg.D)).astype(dtype)
-    mlp = lambda x_btd, wi_df, wo_fd: jax.nn.gelu(x_btd @ wi_df) @ wo_fd
+    wo_fd = self.param("wo", _init(_residual_std(cfg, cfg.F), "mlp", "embed"), (cfg.F, cfg.D)).astype(dtype)
+    bi_f = _bias(self, "bi", (cfg.F,), "mlp", dtype=dtype)
+    bo_d = _bias(self, "bo", (cfg.D,), None, dtype=dtype)
+    mlp = lambda x_btd, wi_df, bi_f, wo_fd, bo_d: jax.nn.gelu(x_btd @ wi_df + bi_f) @ wo_fd + bo_d
     if cfg.remat == "mlp":
       # The backward pass forms the [B, T, F] hidden again from x rather than writing it to memory and
       # reading it back: a third more MLP FLOPs for two fewer passes over the model's widest activation,
       # a gain where the step is bound by memory traffic (TPU), a loss where it is bound by FLOPs (CPU).
       mlp = jax.checkpoint(mlp)
-    return mlp(x_btd, wi_df, wo_fd)
+    return mlp(x_btd, wi_df, bi_f, wo_fd, bo_d)
 
 
 class Block(nn.Module):
@@ -287,7 +315,8 @@ class Transformer(nn.Module):
       positions_bt = jnp.broadcast_to(jnp.arange(T), (B, T))
     if cfg.input_dim:
       w_id = self.param("input_proj", _init(cfg.input_dim**-0.5, None, "embed"), (cfg.input_dim, cfg.D))
-      x_btd = inputs.astype(dtype) @ w_id.astype(dtype)
+      x_btd = inputs.astype(dtype) @ w_id.astype(dtype) + _bias(self, "input_bias",
+                                                                (cfg.D,), None, dtype=dtype)
     else:
       embed_vd = self.param("embed", _init(1.0, "vocab", "embed"), (cfg.V, cfg.D))
       x_btd = embed_vd.astype(dtype)[inputs]
@@ -306,7 +335,8 @@ class Transformer(nn.Module):
                                    num_buckets=cfg.relative_buckets, max_distance=cfg.relative_max_distance)
       # A few numbers per head: replicated.
       relative_bias = lambda name: jnp.moveaxis(
-          self.param(name, _init(0.02, None, None), (cfg.relative_buckets, cfg.H))[bucket_bqk], -1, 1)
+          self.param(name, _init(cfg.relative_bias_std, None, None),
+                     (cfg.relative_buckets, cfg.H))[bucket_bqk], -1, 1)
       if not cfg.relative_bias_per_layer:
         bias_bhqk = relative_bias("relative_bias")  # one table shared by all layers, as in T5
     # remat saves only for gradients: decoding has none.

@@ -179,3 +179,41 @@ def test_per_layer_bias_tables():
   assert not np.allclose(m.apply({"params": params}, x), m.apply({"params": bumped}, x))
   with pytest.raises(ValueError, match="relative_max_distance"):
     model_lib.ModelConfig(V=8, positions="relative_bias", relative_buckets=36, relative_max_distance=20)
+
+
+def test_the_paper_codes_parametrisation_as_options():
+  """projection_bias, residual_init="fan_in" and relative_bias_std set the paper code's biases and initial
+  scales (measured in its fuzzy-logic model: output weights 0.25, MLP output 0.062, bias tables 0.18);
+  the defaults add no parameter."""
+  base = dict(V=1, D=128, H=8, L=2, F=256, qkv_dim=16, input_dim=5, causal=False, positions="relative_bias",
+              relative_buckets=32, relative_max_distance=32, relative_bidirectional=False,
+              relative_bias_per_layer=True, attention="hyla", attention_impl="reference")
+  x = jax.random.uniform(jax.random.key(0), (4, 32, 5))
+  init = lambda cfg: nn.meta.unbox(model_lib.Transformer(cfg).init(jax.random.key(1), x)["params"])
+  plain = init(model_lib.ModelConfig(**base))
+  cfg = model_lib.ModelConfig(**base, projection_bias=True, residual_init="fan_in",
+                              relative_bias_std=32**-0.5)
+  params = init(cfg)
+  block = params["block_0"]
+  assert "bk" not in plain["block_0"]["attn"] and "input_bias" not in plain
+  assert block["attn"]["bk"].shape == (8, 2) and block["mlp"]["bi"].shape == (256,)
+  biases = [params["input_bias"], block["mlp"]["bo"]
+           ] + [block["attn"][n] for n in ("bq", "bk", "bv", "bo")]
+  assert all(not np.any(b) for b in biases), "the biases start at zero"
+  np.testing.assert_allclose(np.std(block["attn"]["wo"]), 16**-0.5, rtol=0.05)
+  np.testing.assert_allclose(np.std(block["mlp"]["wo"]), 256**-0.5, rtol=0.05)
+  np.testing.assert_allclose(np.std(plain["block_0"]["mlp"]["wo"]), (256 * 4)**-0.5, rtol=0.05)
+  np.testing.assert_allclose(np.std(params["relative_bias_0"]), 32**-0.5, rtol=0.15)
+
+  # A key bias adds q·b_k to every key's score: softmax cancels it, HYLA's rms_head does not.
+  def output(preset):
+    m = model_lib.Transformer(model_lib.ModelConfig(**{**base, "attention": preset}, projection_bias=True))
+    p = nn.meta.unbox(m.init(jax.random.key(1), x)["params"])
+    bumped = jax.tree_util.tree_map(lambda a: a, p)
+    bumped["block_0"]["attn"]["bk"] = jnp.ones_like(p["block_0"]["attn"]["bk"])
+    return m.apply({"params": p}, x), m.apply({"params": bumped}, x)
+
+  np.testing.assert_allclose(*output("softmax"), atol=1e-5)
+  assert not np.allclose(*output("hyla"), atol=1e-3)
+  with pytest.raises(ValueError, match="residual_init"):
+    model_lib.ModelConfig(V=8, residual_init="xavier")
