@@ -21,6 +21,9 @@ def get_config():
                  positions="relative_bias", relative_buckets=sraven.SEQ_LEN,
                  relative_max_distance=sraven.SEQ_LEN, relative_bidirectional=False,
                  relative_bias_per_layer=True)
+  # The paper code's parametrisation (flax's Dense and Embed defaults): biases in every projection,
+  # output weights at 1/sqrt(fan-in), bias tables at std buckets^-0.5 (docs/compositional.md).
+  c.model.update(projection_bias=True, residual_init="fan_in", relative_bias_std=sraven.SEQ_LEN**-0.5)
   c.model.D, c.model.H, c.model.qkv_dim, c.model.F = width * 128, width * 16, width * 64, width * 256
   c.data = ml_collections.ConfigDict(
       dict(

@@ -29,6 +29,9 @@ SRAVEN = {
     "model.relative_max_distance": 36,
     "model.relative_bidirectional": False,
     "model.relative_bias_per_layer": True,
+    "model.projection_bias": True,
+    "model.residual_init": "fan_in",
+    "model.relative_bias_std": 36**-0.5,
     "train.batch_size": 128,
     "train.lr": 1e-3,
     "train.warmup_steps": 1000,
@@ -57,6 +60,9 @@ FUZZY = {
     "model.relative_max_distance": 32,
     "model.relative_bidirectional": False,
     "model.relative_bias_per_layer": True,
+    "model.projection_bias": True,
+    "model.residual_init": "fan_in",
+    "model.relative_bias_std": 32**-0.5,
     "train.batch_size": 128,
     "train.lr": 1e-3,
     "train.warmup_steps": 100,
@@ -197,8 +203,7 @@ def test_the_paper_codes_parametrisation_as_options():
   block = params["block_0"]
   assert "bk" not in plain["block_0"]["attn"] and "input_bias" not in plain
   assert block["attn"]["bk"].shape == (8, 2) and block["mlp"]["bi"].shape == (256,)
-  biases = [params["input_bias"], block["mlp"]["bo"]
-           ] + [block["attn"][n] for n in ("bq", "bk", "bv", "bo")]
+  biases = [params["input_bias"], block["mlp"]["bo"]] + [block["attn"][n] for n in ("bq", "bk", "bv", "bo")]
   assert all(not np.any(b) for b in biases), "the biases start at zero"
   np.testing.assert_allclose(np.std(block["attn"]["wo"]), 16**-0.5, rtol=0.05)
   np.testing.assert_allclose(np.std(block["mlp"]["wo"]), 256**-0.5, rtol=0.05)
