@@ -200,10 +200,11 @@ class Attention(nn.Module):
                         (H, K, D)).astype(dtype)
     T = x_btd.shape[1]
     q0 = T - self.query_last if self.query_last else 0  # the first position that asks a query
-    b = {n: _bias(self, f"b{n[1]}", (H, K), "heads", None, dtype=dtype) for n in ("wq", "wk", "wv")}
+    bq_hk, bk_hk, bv_hk = (_bias(self, n, (H, K), "heads", None, dtype=dtype) for n in ("bq", "bk", "bv"))
     bo_d = _bias(self, "bo", (D,), None, dtype=dtype)
-    q_bthk = jnp.einsum("btd,dhk->bthk", x_btd[:, q0:], w["wq"]) + b["wq"]
-    k_bthk, v_bthk = (jnp.einsum("btd,dhk->bthk", x_btd, w[name]) + b[name] for name in ("wk", "wv"))
+    q_bthk = jnp.einsum("btd,dhk->bthk", x_btd[:, q0:], w["wq"]) + bq_hk
+    k_bthk = jnp.einsum("btd,dhk->bthk", x_btd, w["wk"]) + bk_hk
+    v_bthk = jnp.einsum("btd,dhk->bthk", x_btd, w["wv"]) + bv_hk
     knobs = cfg.layer_knobs(self.layer)
     positions, impl = None, cfg.attention_impl
     if q0:
