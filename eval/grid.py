@@ -259,18 +259,18 @@ def _run(module_and_args: list[str]) -> None:
                      f"and rerun the same command: finished points are kept, this one resumes")
 
 
-def point_results(workdir: epath.Path, config: ml_collections.ConfigDict) -> dict:
-  """The trainer's final evaluation of every set the summary reports (and the latent decoding of
-  the compositional tasks)."""
+def point_results(workdir: epath.Path, task: str, steps: int) -> dict:
+  """The trainer's final evaluation (at `steps`) of every set the summary reports (and the latent
+  decoding of the compositional tasks)."""
   sets = {}
-  for where in dict.fromkeys(where for _, where, _ in grid_summary.METRICS[config.task]):
+  for where in dict.fromkeys(where for _, where, _ in grid_summary.METRICS[task]):
     if where == "latent":
       probe = json.loads((workdir / "latent.json").read_text())
       sets[where] = {"decoding": probe["ood_decoding_accuracy_per_layer"][-1], **probe}
       continue
     last = compare.read_run(str(workdir), where)["evals"][-1]
-    if last["step"] != config.train.steps:
-      raise ValueError(f"{workdir} has no final {where} evaluation at step {config.train.steps}; rerun "
+    if last["step"] != steps:
+      raise ValueError(f"{workdir} has no final {where} evaluation at step {steps}; rerun "
                        f"the same command to resume it")
     sets[where] = last
   return sets
@@ -289,7 +289,7 @@ def run_point(p: dict, workdir: epath.Path, config_file: str, latent_args: list[
     _run(["eval.latent", f"--workdir={workdir}", *latent_args])
   result = {k: p[k] for k in ("name", "preset", "seed", "values")}
   result.update(task=config.task, step=config.train.steps, train_seconds=compare.wall_seconds(str(workdir)),
-                results=point_results(workdir, config))
+                results=point_results(workdir, config.task, config.train.steps))
   storage.write_text(workdir / "point.json", json.dumps(result, indent=1) + "\n")
 
 
@@ -298,6 +298,10 @@ def done(workdir: epath.Path, steps: int) -> dict | None:
   if path.exists():
     result = json.loads(path.read_text())
     if result["step"] == steps:
+      reported = {where for _, where, _ in grid_summary.METRICS[result["task"]]}
+      if not reported <= set(result["results"]):  # a set the summary reports since this point finished
+        result["results"] = point_results(workdir, result["task"], steps)
+        storage.write_text(path, json.dumps(result, indent=1) + "\n")
       return result
   return None
 

@@ -23,7 +23,7 @@ METRICS = {
            ("bits per byte", "validation", "bits_per_byte")],
     "sraven": [("OOD accuracy", "ood", "accuracy"), ("test accuracy", "test", "accuracy"),
                ("final-layer OOD rule decoding", "latent", "decoding"), ("test loss", "test", "loss")],
-    "fuzzy_logic": [("OOD R²", "ood", "r2"), ("test R²", "test", "r2"),
+    "fuzzy_logic": [("OOD R²", "ood", "r2"), ("test R²", "test", "r2"), ("unknown-terms R²", "unknown", "r2"),
                     ("final-layer OOD term decoding", "latent", "decoding"), ("test MSE", "test", "mse")],
 }
 # What the best config value minimises.

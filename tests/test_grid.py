@@ -294,10 +294,21 @@ def test_fuzzy_logic_grid_reports_ood_r2_and_latent_decoding(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   point = json.loads((tmp_path / "hyla_seed0" / "point.json").read_text())
   assert point["step"] == 30  # train.steps follows instances // batch_size from the command line
-  assert set(point["results"]) == {"ood", "test", "latent"}
+  assert set(point["results"]) == {"ood", "test", "unknown", "latent"}
   assert point["results"]["latent"]["paper_code"]["examples"] == 64  # lm-latent ran with our flags
-  r2 = point["results"]["ood"]["r2"]
-  assert f"| hyla | (config as given) | 0 | {r2:.4f} |" in (tmp_path / "summary.md").read_text()
+  r2, test_r2, unknown_r2 = (point["results"][where]["r2"] for where in ("ood", "test", "unknown"))
+  row = f"| hyla | (config as given) | 0 | {r2:.4f} | {test_r2:.4f} | {unknown_r2:.4f} |"
+  assert row in (tmp_path / "summary.md").read_text()
+  # A point finished before the summary reported a set: the same command fills it in from the
+  # point's logs, without training again.
+  del point["results"]["unknown"]
+  (tmp_path / "hyla_seed0" / "point.json").write_text(json.dumps(point))
+  result = run(cmd)
+  assert result.returncode == 0 and "hyla_seed0 is done (step 30); kept" in result.stdout, result.stderr[
+      -3000:]
+  refreshed = json.loads((tmp_path / "hyla_seed0" / "point.json").read_text())
+  assert refreshed["results"]["unknown"]["r2"] == unknown_r2
+  assert row in (tmp_path / "summary.md").read_text()
   # Learning curve: OOD R² at every evaluation against instances seen (steps x batch 8); the last
   # point is the final evaluation.
   curve = json.loads((tmp_path / "summary.json").read_text())["curves"]["hyla"]
