@@ -14,7 +14,6 @@ and OOD sets; its latent-code callbacks are not run. Prints one JSON line per ev
 last line with the final one.
 """
 
-import argparse
 import json
 import time
 
@@ -33,11 +32,7 @@ class _Collect:
 
 
 def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--repo", required=True)
-  parser.add_argument("--task", default="logic_4var_2term")
-  parser.add_argument("--model", default="linear_hypatt",
-                      help="its sequence mixer: transformer, linear_transformer, linear_hypatt, ...")
+  parser = paper_code_steps.parser_for("logic_4var_2term", "linear_hypatt")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--set", action="append", default=[], help="FIELD=VALUE of its config")
   parser.add_argument("--eval_every", type=int, default=500)

@@ -48,12 +48,18 @@ def configured_run_module(repo: str, task: str, model: str, *flags: str):
   return run
 
 
-def main():
+def parser_for(task: str, model: str) -> argparse.ArgumentParser:
+  """The flags naming the paper's code and what it runs (--repo, --task, --model), these the defaults."""
   parser = argparse.ArgumentParser()
-  parser.add_argument("--repo", required=True)
-  parser.add_argument("--task", default="raven_3x3_4features")
-  parser.add_argument("--model", default="transformer",
+  parser.add_argument("--repo", required=True, help="a checkout of smonsays/hypernetwork-attention")
+  parser.add_argument("--task", default=task, help="its config's task: a logic_* or raven_* name")
+  parser.add_argument("--model", default=model,
                       help="its sequence mixer: transformer, linear_transformer, linear_hypatt")
+  return parser
+
+
+def main():
+  parser = parser_for("raven_3x3_4features", "transformer")
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--warmup_steps", type=int, default=5, help="untimed steps (compilation)")
   args = parser.parse_args()
