@@ -22,11 +22,11 @@ import importlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import profiles
+import workers
 from absl import app, flags
 
 _PRESETS = flags.DEFINE_list("presets", ["softmax", "linear", "hyla"], "Our attention presets.")
@@ -93,25 +93,11 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
   }
 
 
-def _run(cmd: list[str]) -> dict:
-  # CPU only: libtpu (installed with the tpu extra) would otherwise be probed.
-  out = subprocess.run(cmd, capture_output=True, text=True, check=False, env={
-      **os.environ, "JAX_PLATFORMS": "cpu"
-  })
-  if out.returncode:
-    raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _uptime() -> str:
-  return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-
-
 def drive() -> None:
   if not (_PAPER_PYTHON.value and _PAPER_REPO.value):
     raise SystemExit("give --paper_python and --paper_repo (see benchmarks/paper_code_steps.py)")
   here = os.path.dirname(os.path.abspath(__file__))
-  print(f"before: {_uptime()}", flush=True)
+  print(f"before: {workers.uptime()}", flush=True)
   rows = []
   for preset in _PRESETS.value:
     micro = [[]] if not _MICROBATCHES.value else [[f"--microbatches={k}"] for k in _MICROBATCHES.value]
@@ -122,14 +108,14 @@ def drive() -> None:
     results = {"paper": []} | {label(d, extra): [] for d, extra in ours}
     for _ in range(_REPEATS.value):
       results["paper"].append(
-          _run([
+          workers.run_json([
               _PAPER_PYTHON.value,
               os.path.join(here, "paper_code_steps.py"), f"--repo={_PAPER_REPO.value}",
               f"--model={PAPER_MODEL[preset]}", f"--steps={_STEPS.value}"
           ]))
       for (dtype, extra), runs in zip(ours, list(results.values())[1:]):
         runs.append(
-            _run([
+            workers.run_json([
                 sys.executable,
                 os.path.abspath(__file__), "--worker", f"--presets={preset}", f"--dtypes={dtype}",
                 f"--steps={_STEPS.value}", *extra
@@ -147,7 +133,7 @@ def drive() -> None:
       }
       rows.append(row)
       print(json.dumps(row), flush=True)
-  print(f"after: {_uptime()}", flush=True)
+  print(f"after: {workers.uptime()}", flush=True)
   print("| attention | code | steps/s best | median | CPU s/step (min) | x paper (best) |")
   print("|---|---|---|---|---|---|")
   for r in rows:

@@ -26,12 +26,12 @@ prints where their time goes (benchmarks/profiles.py).
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import profiles
+import workers
 from absl import app, flags
 
 _NANODO_REPO = flags.DEFINE_string("nanodo_repo", None, "A checkout of google-deepmind/nanodo.")
@@ -174,21 +174,6 @@ def measure_matmuls(steps: int) -> dict:
   }
 
 
-def _run(cmd: list[str], xla_flags: str = "") -> dict:
-  # CPU only: libtpu (installed with the tpu extra) would otherwise be probed.
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  if xla_flags:
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
-  out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-  if out.returncode:
-    raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _uptime() -> str:
-  return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-
-
 def drive() -> None:
   if not _NANODO_REPO.value:
     raise SystemExit("give --nanodo_repo=DIR, a checkout of google-deepmind/nanodo")
@@ -212,13 +197,13 @@ def drive() -> None:
       "the step's matrix products alone (with our XLA CPU option)":
           (ours + ["--worker=matmuls"], OUR_XLA_FLAG),
   }
-  print(f"before: {_uptime()}", flush=True)
+  print(f"before: {workers.uptime()}", flush=True)
   results = {label: [] for label in rows}
   for _ in range(_REPEATS.value):
     for label, (cmd, xla_flags) in rows.items():
-      results[label].append(_run(cmd, xla_flags))
+      results[label].append(workers.run_json(cmd, xla_flags))
       print(json.dumps({"row": label, **results[label][-1]}), flush=True)
-  print(f"after: {_uptime()}", flush=True)
+  print(f"after: {workers.uptime()}", flush=True)
   best_nanodo = max(r["steps_per_s"] for r in results["NanoDO"])
   lines = [
       "| trainer | steps/s best | median | tokens/s best | CPU s/step (min) | x NanoDO (best) |",
