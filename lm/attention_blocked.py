@@ -13,6 +13,9 @@ a sum over heads of weights with different denominators, so flash attention's on
 carry over: a first pass computes the log-sum-exp, a second applies exact weights. Attention dropout
 draws each tile's part of the one [t, t] mask from the pairs' positions (core.dropout_keep), the same
 bits in the forward pass, in both backward passes, and in the reference.
+
+When one tile holds the sequence (t <= block), softmax attention with the linear value network runs the
+reference instead, which keeps its weights for the backward pass rather than recomputing them twice.
 """
 
 import dataclasses
@@ -51,6 +54,11 @@ def attend_blocked(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: core.Knob
   `block` are padded with tokens in a segment of their own (the smallest int32, which no real segment
   id is), so no real query sees them."""
   B, T = q.shape[:2]
+  if T <= block and (knobs.normalization, knobs.value_network) == ("softmax", "linear"):
+    # Tiling saves no memory here, and softmax's second pass and the backward's recomputation only
+    # repeat the definition's work (SRAVEN, 36 tokens: about 5% less CPU time per training step).
+    return core.reference(q, k, v, knobs=knobs, causal=causal, segment_ids=segment_ids, bias=bias,
+                          dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   block = min(block, T)
   Tp = -(-T // block) * block
   if Tp != T or segment_ids is not None:

@@ -66,6 +66,23 @@ def test_blocked_equals_reference(normalization, value_network, causal):
   _assert_same(_blocked, knobs, segment_ids=SEGMENTS_BT, bias=True, causal=causal)
 
 
+def test_blocked_softmax_in_one_tile_runs_the_definition():
+  """When one tile holds the sequence, blocked softmax attention is the reference: the same values,
+  gradients and dropout, and no loop over tiles (its two passes would only repeat work). HYLA keeps
+  its tiles there (its written-out pullback is the faster one)."""
+  one_tile = lambda q, k, v, *, normalization, value_network, nonlinearity="relu", **kw: (
+      attention_blocked.attend_blocked(q, k, v, knobs=attention.Knobs(normalization, value_network,
+                                                                      nonlinearity), **kw, block=32))
+  _assert_same(one_tile, attention.preset("softmax"), segment_ids=SEGMENTS_BT, bias=True, dropout_rate=0.2)
+  q, k, v, _, _ = _inputs()
+  loops = lambda name: [
+      e for e in jax.make_jaxpr(lambda q: one_tile(q, k, v, **attention.preset(name)).sum())(q).eqns
+      if e.primitive.name in ("while", "scan", "custom_vjp_call")
+  ]
+  assert not loops("softmax")
+  assert loops("hyla"), "the check itself sees the tiled kernel"
+
+
 @pytest.mark.parametrize("nonlinearity", ["gelu", "tanh", "identity"])
 def test_blocked_hyla_nonlinearities(nonlinearity):
   knobs = dict(normalization="rms_head", value_network="hypernetwork", nonlinearity=nonlinearity)
