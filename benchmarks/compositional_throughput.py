@@ -9,7 +9,7 @@ their own data generators, after compilation. Each measurement is a fresh proces
 the paper's code and ours (each dtype, and each train.microbatches value if given) alternate,
 `repeats` times. Printed: steps/s (best and median
 of the repeats), CPU seconds per step (all threads; robust to other load on a shared machine) and
-the ratio of ours to the paper's, with `uptime` before and after. The paper's side runs
+the ratio of ours to the paper's, with the CPU model and `uptime` before and after. The paper's side runs
 benchmarks/paper_code_steps.py in its own venv (jax 0.4.38, flax 0.10.2; see that file).
 
 `--worker` measures ours once in this process (what the driver runs); with `--profile=DIR` it also
@@ -97,7 +97,7 @@ def drive() -> None:
   if not (_PAPER_PYTHON.value and _PAPER_REPO.value):
     raise SystemExit("give --paper_python and --paper_repo (see benchmarks/paper_code_steps.py)")
   here = os.path.dirname(os.path.abspath(__file__))
-  print(f"before: {workers.uptime()}", flush=True)
+  print(f"machine: {workers.machine()}\nbefore: {workers.uptime()}", flush=True)
   rows = []
   for preset in _PRESETS.value:
     micro = [[]] if not _MICROBATCHES.value else [[f"--microbatches={k}"] for k in _MICROBATCHES.value]

@@ -16,8 +16,8 @@ its first and last progress report, from its metrics log) and the step loop alon
 memory, like NanoDO's side. Two more rows say where the difference comes from: our step loop with
 XLA's default CPU fusion (`cpu_library_fusion=""`), and NanoDO with the same XLA option as ours
 (`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce`). Printed: steps/s (best,
-median), CPU seconds per step (all threads), each ratio to NanoDO's best as it ships, and `uptime`
-before and after (other load on the machine).
+median), CPU seconds per step (all threads), each ratio to NanoDO's best as it ships, the CPU
+model, and `uptime` before and after (other load on the machine).
 
 `--worker=loop|steps` measures ours once; `--profile=DIR` traces 3 steps of the step loop and
 prints where their time goes (benchmarks/profiles.py).
@@ -197,7 +197,7 @@ def drive() -> None:
       "the step's matrix products alone (with our XLA CPU option)":
           (ours + ["--worker=matmuls"], OUR_XLA_FLAG),
   }
-  print(f"before: {workers.uptime()}", flush=True)
+  print(f"machine: {workers.machine()}\nbefore: {workers.uptime()}", flush=True)
   results = {label: [] for label in rows}
   for _ in range(_REPEATS.value):
     for label, (cmd, xla_flags) in rows.items():

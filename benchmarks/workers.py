@@ -5,6 +5,7 @@ Standard library only, like profiles.py: the drivers start workers in other proj
 
 import json
 import os
+import re
 import subprocess
 
 
@@ -23,3 +24,13 @@ def run_json(cmd: list[str], xla_flags: str = "") -> dict:
 def uptime() -> str:
   """The load averages, printed before and after a measurement to say what else ran."""
   return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def machine() -> str:
+  """The CPU's model and how many cores this process may use: ratios differ between machines."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+  except OSError:
+    model = None
+  return f"{model.group(1) if model else 'unknown CPU'}, {len(os.sched_getaffinity(0))} cores"
