@@ -306,11 +306,12 @@ def done(workdir: epath.Path, steps: int) -> dict | None:
   return None
 
 
-def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list[str], axes: dict[str,
-                                                                                                  list[str]],
-         root: str, latent_args: tuple[str, ...] = (), best_from: str | None = None) -> str:
+def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list[str],
+         axes: dict[str, list[str]], root: str, latent_args: tuple[str, ...] = (),
+         best_from: str | None = None, kept: tuple[str, ...] = ()) -> str:
   """Trains every point not yet done, then writes the summary; returns its markdown. latent_args:
-  lm-latent's flags for the compositional tasks."""
+  lm-latent's flags for the compositional tasks; kept: other grids' summary.json files whose points
+  the summary counts too."""
   chosen = None
   if best_from:
     if axes:
@@ -335,10 +336,10 @@ def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list
       trained_seconds += time.perf_counter() - start
       trained += 1
       # After every point: a grid stopped or still running has the summary of what finished.
-      grid_summary.write(root, config_file, list(axes))
+      grid_summary.write(root, config_file, list(axes), kept)
     else:
       print(f"grid: point {i} of {n}: {p['name']} is done (step {finished['step']}); kept", flush=True)
-  return grid_summary.write(root, config_file, list(axes))
+  return grid_summary.write(root, config_file, list(axes), kept)
 
 
 def main(argv):
@@ -350,7 +351,7 @@ def main(argv):
                 FLAGS.presets, FLAGS.seeds, parse_axes(FLAGS.grid), FLAGS.root,
                 [f"--examples={FLAGS.latent_examples}"] +
                 ([f"--paper_examples={FLAGS.latent_paper_examples}"] if FLAGS.latent_paper_examples else []),
-                FLAGS.best_from)
+                FLAGS.best_from, tuple(FLAGS.kept))
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"lm-grid: {e}") from e
   print(text, end="")
@@ -371,6 +372,9 @@ def run():
   flags.DEFINE_string(
       "best_from", None, "Root of a finished grid, or its summary.json: each preset runs at "
       "the config values that grid chose for it (its lowest mean loss), instead of --grid.")
+  flags.DEFINE_list(
+      "kept", [], "summary.json files of other grids of the same config (e.g. seeds run on another "
+      "machine, their workdirs gone) whose finished points the summary counts beside this root's.")
   flags.DEFINE_integer(
       "latent_examples", 1024, "Instances per split for the latent-code probe "
       "(compositional tasks; lm-latent --examples).")

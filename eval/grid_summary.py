@@ -41,6 +41,31 @@ def load_points(root: epath.Path) -> list[dict]:
   return points
 
 
+def kept_points(paths: list[str], task: str, config_file: str, axes: list[str],
+                names: set[str]) -> list[dict]:
+  """The finished points of kept summary.json files (other grids of the same config, e.g. seeds run
+  on another machine whose workdirs are gone), to be counted beside a root's own. names: the root's
+  points; a point may come from one place only."""
+  points = []
+  for path in paths:
+    kept = json.loads(epath.Path(path).read_text())
+    # The config file by name: a path spelled from another directory is the same config.
+    for field, mine, same in (("task", task, kept["task"] == task),
+                              ("config_file", config_file,
+                               epath.Path(kept["config_file"]).name == epath.Path(config_file).name),
+                              ("axes", axes, kept["axes"] == axes)):
+      if not same:
+        raise ValueError(f"kept summary {path} has {field} {kept[field]!r} where this grid has {mine!r}; "
+                         f"keep only summaries of the same config and axes")
+    for p in kept["points"]:
+      if p["name"] in names:
+        raise ValueError(f"point {p['name']} is both in {path} and elsewhere (this root or another kept "
+                         f"summary); keep each point once")
+      names.add(p["name"])
+      points.append(p)
+  return points
+
+
 def _value(point: dict, where: str, key: str) -> float:
   return point["results"][where][key]
 
@@ -190,12 +215,15 @@ def sensitivity_plot(rows: list[dict], axis: str, task: str, path: epath.Path) -
   return True
 
 
-def write(root: epath.Path, config_file: str, axes: list[str]) -> str:
-  """Writes root/summary.md, summary.json and the plots from every finished point in root."""
-  points = load_points(root)
-  if not points:
+def write(root: epath.Path, config_file: str, axes: list[str], kept: tuple[str, ...] = ()) -> str:
+  """Writes root/summary.md, summary.json and the plots from every finished point in root and in the
+  kept summary.json files; the curves plot only the points whose workdirs are in root."""
+  own = load_points(root)
+  if not own:
     raise ValueError(f"{root} has no finished grid point to summarise")
-  task = points[0]["task"]
+  task = own[0]["task"]
+  points = own + kept_points(list(kept), task, config_file, axes, {p["name"] for p in own})
+  here = {p["name"] for p in own}
   rows = group(points, task)
   chosen = best(rows)
   pairs = paired(chosen, points, task)
@@ -206,16 +234,20 @@ def write(root: epath.Path, config_file: str, axes: list[str]) -> str:
       plots.append(name)
   if task == "lm":
     # Validation curves (tokens, FLOPs, wall clock) and loss by position of each variant's best runs.
-    compare.compare([str(root / n) for r in chosen.values() for n in r["points"]], str(root / "curves.png"))
+    compare.compare([str(root / n) for r in chosen.values() for n in r["points"] if n in here],
+                    str(root / "curves.png"))
     plots += ["curves.png"] + (["curves_positions.png"] if (root / "curves_positions.png").exists() else [])
   else:
     # The headline metric against instances seen and wall clock, every variant's best runs.
     _, split, key = METRICS[task][0]
-    runs = [compare.read_run(str(root / n), split) for r in chosen.values() for n in r["points"]]
+    runs = [compare.read_run(str(root / n), split) for r in chosen.values() for n in r["points"] if n in here]
     compare.plot(runs, str(root / "curves.png"), split, key, compare.INSTANCE_AXES)
     plots.append("curves.png")
     curves = compare.curves(runs, key, compare.INSTANCE_AXES[0][1])
   text = markdown(task, config_file, axes, rows, chosen, pairs, plots)
+  if kept:
+    text += (f"\nAlso counted: {len(points) - len(own)} points of {', '.join(kept)} (no workdirs here: "
+             f"in the tables, not in the curves).\n")
   storage.write_text(root / "summary.md", text)
   storage.write_text(
       root / "summary.json",
@@ -229,6 +261,7 @@ def write(root: epath.Path, config_file: str, axes: list[str]) -> str:
               "best": chosen,
               "paired": pairs,
               "curves": curves,
+              "kept": list(kept),
               "points": points
           }, indent=1))
   return text

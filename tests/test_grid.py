@@ -227,6 +227,33 @@ def test_best_from_takes_a_root_or_its_summary_file(tmp_path):
     grid.best_values(str(tmp_path / "nowhere"), ["softmax"])
 
 
+def test_kept_summaries_count_in_the_tables_but_not_the_curves(tmp_path):
+  # Seed 0 ran on one machine, whose grid left only its summary.json; seed 1 runs here.
+  elsewhere, here = tmp_path / "elsewhere", tmp_path / "here"
+  for preset, loss in (("softmax", 4.0), ("hyla", 4.6)):
+    fake_point(elsewhere, preset, 0, "1e-3", loss)
+  grid_summary.write(elsewhere, TINY, ["train.lr"])
+  kept = tmp_path / "kept_summary.json"
+  kept.write_text((elsewhere / "summary.json").read_text())
+  for preset, loss in (("softmax", 4.4), ("hyla", 4.7)):
+    fake_point(here, preset, 1, "1e-3", loss)
+  text = grid_summary.write(here, "/abs/" + TINY, ["train.lr"], (str(kept),))
+  summary = json.loads((here / "summary.json").read_text())
+  assert summary["best"]["softmax"]["seeds"] == [0, 1]
+  assert summary["best"]["softmax"]["validation loss"] == pytest.approx([4.2, 0.2])
+  (pair,) = summary["paired"]  # softmax − hyla: −0.6 (kept seed 0), −0.3 (seed 1 here)
+  assert pair["seeds"] == [0, 1] and pair["validation loss"] == pytest.approx([-0.45, 0.15])
+  assert summary["kept"] == [str(kept)] and "Also counted: 2 points of" in text
+  # The curves read workdirs: only this root's seed-1 runs exist, and the plot was made from them.
+  assert (here / "curves.png").read_bytes()[:4] == b"\x89PNG"
+  with pytest.raises(
+      ValueError,
+      match=r"point hyla_seed1_train.lr=1e-3 is both in .*here/summary.json.*keep each point once"):
+    grid_summary.write(elsewhere.parent / "here", TINY, ["train.lr"], (str(kept), str(here / "summary.json")))
+  with pytest.raises(ValueError, match="axes"):
+    grid_summary.write(here, TINY, [], (str(kept),))
+
+
 # --- end to end, in processes ---------------------------------------------------------------------
 
 SMALL = """
