@@ -53,6 +53,12 @@ def test_mean_stderr_over_seeds():
 # --- overrides and bad input ---------------------------------------------------------------------
 
 
+def test_a_paired_difference_is_resolved_by_students_t_not_by_two_standard_errors():
+  assert grid_summary._resolved(1.0, 0.2, 3).startswith("yes (5.0 s.e.; 95% needs 4.3)")
+  assert grid_summary._resolved(1.0, 0.3, 3).startswith("no (3.3 s.e.; 95% needs 4.3)")  # > 2 s.e.
+  assert grid_summary._resolved(1.0, None, 1) == "one seed: no error bar"
+
+
 def test_space_and_equals_overrides_give_the_same_runs():
   argv = [
       "--config=" + TINY, "--config.model.D", "48", "--config.data.dir", "/some/dir",
@@ -208,8 +214,9 @@ def test_summary_picks_each_variants_lr_and_pairs_seeds(tmp_path):
   # softmax − hyla per seed: 4.0 − 4.6 = −0.6 and 4.4 − 4.7 = −0.3: mean −0.45, s.e. 0.15.
   assert (pair["a"], pair["b"], pair["seeds"]) == ("softmax", "hyla", [0, 1])
   assert pair["validation loss"] == pytest.approx([-0.45, 0.15])
-  assert "| softmax − hyla | 0, 1 | -0.4500 ± 0.1500 |" in text and text.rstrip().endswith(
-      "curves_positions.png)")
+  # 3 standard errors of a two-seed mean: a 95% t-interval at one degree of freedom needs 12.7.
+  assert "| softmax − hyla | 0, 1 | -0.4500 ± 0.1500 |" in text and "| no (3.0 s.e.; 95% needs 12.7) |" in text
+  assert text.rstrip().endswith("curves_positions.png)")
   assert "| softmax | train.lr=1e-2 | 0, 1 | 4.2000 ± 0.2000 |" in text
   for plot in ("sensitivity_train.lr.png", "curves.png", "curves_positions.png"):
     assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
