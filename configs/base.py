@@ -61,9 +61,9 @@ def get_config() -> ml_collections.ConfigDict:
   # WORKDIR/compilation_cache; "none" turns it off; any other value is its directory (gs:// too).
   c.compilation_cache = ""
   # XLA's CPU backend only: the operations it hands to the YNNPACK library, from "dot", "eltwise"
-  # and "reduce" ("" keeps XLA's own choice, matrix products alone). Handing it the element-wise work
-  # and reductions around the products as well takes out most of the layout copies XLA makes
-  # between them (docs/nanodo_side_by_side.md measures it).
+  # and "reduce" ("" keeps XLA's own choice, which varies by jax version: products and reductions in
+  # jax 0.10.2). Handing it the element-wise work and reductions around the products as well takes
+  # out most of the layout copies XLA makes between them (docs/nanodo_side_by_side.md measures it).
   c.cpu_library_fusion = "dot,eltwise,reduce"
   # Hang watchdog of lm-train: when no step completes within step_secs, every thread's stack goes to
   # the log and the process exits with status 75, for a restart (0: off). The first step and each
