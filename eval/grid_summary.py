@@ -158,7 +158,7 @@ def _resolved(mean: float, se: float | None, seeds: int) -> str:
   if se is None:
     return "one seed: no error bar"
   needed = scipy.stats.t.ppf(0.975, seeds - 1)
-  ratio = abs(mean) / se if se > 0 else float("inf")
+  ratio = abs(mean) / se if se > 0 else (float("inf") if mean else 0.0)  # identical seeds: se 0
   return f"{'yes' if ratio > needed else 'no'} ({ratio:.1f} s.e.; 95% needs {needed:.1f})"
 
 
@@ -229,8 +229,8 @@ def write(root: epath.Path, config_file: str, axes: list[str], kept: tuple[str, 
   if not own:
     raise ValueError(f"{root} has no finished grid point to summarise")
   task = own[0]["task"]
-  points = own + kept_points(list(kept), task, config_file, axes, {p["name"] for p in own})
   here = {p["name"] for p in own}
+  points = own + kept_points(list(kept), task, config_file, axes, set(here))
   rows = group(points, task)
   chosen = best(rows)
   pairs = paired(chosen, points, task)

@@ -57,6 +57,7 @@ def test_a_paired_difference_is_resolved_by_students_t_not_by_two_standard_error
   assert grid_summary._resolved(1.0, 0.2, 3).startswith("yes (5.0 s.e.; 95% needs 4.3)")
   assert grid_summary._resolved(1.0, 0.3, 3).startswith("no (3.3 s.e.; 95% needs 4.3)")  # > 2 s.e.
   assert grid_summary._resolved(1.0, None, 1) == "one seed: no error bar"
+  assert grid_summary._resolved(0.0, 0.0, 3).startswith("no")  # every seed gave the same value
 
 
 def test_space_and_equals_overrides_give_the_same_runs():
