@@ -2,11 +2,11 @@
 
   flock /tmp/bench.lock python benchmarks/compositional_throughput.py \
     --paper_python=PAPER_VENV/bin/python --paper_repo=PAPER_CHECKOUT [--presets=softmax,linear,hyla] \
-    [--dtypes=float32,bfloat16] [--microbatches=1,8] [--steps=100] [--repeats=3]
+    [--dtypes=float32,bfloat16] [--microbatches=1,8] [--cpu_devices=1,2] [--steps=100] [--repeats=3]
 
 Both train configs/sraven.py's model (4 layers, width 1, batch 128, attention dropout 0.1) with
 their own data generators, after compilation. Each measurement is a fresh process; for every preset
-the paper's code and ours (each dtype, and each train.microbatches value if given) alternate,
+the paper's code and ours (each dtype, and each train.microbatches and cpu_devices value if given) alternate,
 `repeats` times. Printed: steps/s (best and median
 of the repeats), CPU seconds per step (all threads; robust to other load on a shared machine) and
 the ratio of ours to the paper's, with the CPU model and `uptime` before and after. The paper's side runs
@@ -39,6 +39,8 @@ _WORKER = flags.DEFINE_bool("worker", False, "Measure ours once (--presets and -
 _PROFILE = flags.DEFINE_string("profile", None, "With --worker: trace 3 steps into this directory.")
 _MICROBATCHES = flags.DEFINE_list("microbatches", [], "Our train.microbatches values, each measured "
                                   "(default: the config's).")
+_CPU_DEVICES = flags.DEFINE_list("cpu_devices", [], "Our cpu_devices values, each measured (default: "
+                                 "the config's).")
 _TASK = flags.DEFINE_enum("task", "sraven", ["sraven", "fuzzy_logic"],
                           "With --worker: our config (the paper's side runs SRAVEN only).")
 _XLA_DEFAULT = flags.DEFINE_bool(
@@ -53,6 +55,7 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
   """Our training loop's work per step: the next host batch, its transfer, the train step."""
   import jax  # noqa: PLC0415  (workers only: the driver never initialises jax)
 
+  from lm import cli  # noqa: PLC0415
   from lm.experiment import Experiment  # noqa: PLC0415
   from lm.train import HostData  # noqa: PLC0415
 
@@ -60,9 +63,12 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
   c.model.update(attention=preset, dtype=dtype)
   if _MICROBATCHES.value:
     c.train.microbatches = int(_MICROBATCHES.value[0])
+  if _CPU_DEVICES.value:
+    c.cpu_devices = int(_CPU_DEVICES.value[0])
   if _XLA_DEFAULT.value:
     c.cpu_library_fusion = ""
   c = c.copy_and_resolve_references()
+  cli.use_cpu_devices(c.cpu_devices)
   exp = Experiment(c)
   data = HostData(exp)
   state = exp.init_state()
@@ -86,6 +92,7 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
       "dtype": dtype + (", XLA's default CPU fusion" if _XLA_DEFAULT.value else ""),
       "task": _TASK.value,
       "microbatches": c.train.microbatches,
+      "devices": jax.device_count(),
       "steps_per_s": steps / seconds,
       "cpu_s_per_step": cpu / steps,
       "loss": float(stats["loss"]),
@@ -101,7 +108,8 @@ def drive() -> None:
   rows = []
   for preset in _PRESETS.value:
     micro = [[]] if not _MICROBATCHES.value else [[f"--microbatches={k}"] for k in _MICROBATCHES.value]
-    ours = [(d, m) for d in _DTYPES.value for m in micro
+    devices = [[]] if not _CPU_DEVICES.value else [[f"--cpu_devices={n}"] for n in _CPU_DEVICES.value]
+    ours = [(d, m + n) for d in _DTYPES.value for m in micro for n in devices
            ] + ([("float32", ["--xla_default_fusion"])] if _XLA_DEFAULT.value else [])
     label = lambda d, extra: " ".join(
         [d, *(e.lstrip("-").replace("xla_default_fusion", "XLA default fusion") for e in extra)])

@@ -65,6 +65,11 @@ def get_config() -> ml_collections.ConfigDict:
   # jax 0.10.2). Handing it the element-wise work and reductions around the products as well takes
   # out most of the layout copies XLA makes between them (docs/nanodo_side_by_side.md measures it).
   c.cpu_library_fusion = "dot,eltwise,reduce"
+  # XLA's CPU backend only: run the host as this many devices, which the mesh's data axis then splits
+  # each batch over (0: JAX's default, one device whose operations share the cores). Small arrays
+  # keep cores idle inside one device's operations; whole batches on separate devices do not. Set
+  # before JAX starts; a device count forced in XLA_FLAGS, or a JAX already started, wins.
+  c.cpu_devices = 0
   # Hang watchdog of lm-train: when no step completes within step_secs, every thread's stack goes to
   # the log and the process exits with status 75, for a restart (0: off). The first step and each
   # evaluation may compile: they get first_step_secs.

@@ -29,7 +29,7 @@ from lm import model as model_lib
 MUTABLE_FIELDS = ("model.attention_impl", "train.cross_entropy_impl", "model.remat", "model.dtype",
                   "train.microbatches", "train.steps", "train.log_every_steps", "train.on_nonfinite", "eval",
                   "checkpoint", "mesh", "data.dir", "data.tokenizer", "data.threads", "compilation_cache",
-                  "cpu_library_fusion", "watchdog", "metrics")
+                  "cpu_library_fusion", "cpu_devices", "watchdog", "metrics")
 # Fields added to the config after checkpoints existed, each with the value that computes what runs
 # saved before it computed. A saved config without such a field reads as having that value, so those
 # runs still resume and evaluate; any other field missing from a saved config is a difference.
@@ -185,14 +185,15 @@ def load(
     step: int | None = None,
     abstract_state: Any = None,
 ) -> tuple[ml_collections.ConfigDict, Any]:
-  """The saved config and the model parameters of the latest or given step: host-local arrays, or
-  sharded as `abstract_state` says (ShapeDtypeStructs with shardings, from the saved config's
-  Experiment; see `saved_config`)."""
+  """The saved config and the model parameters of the latest or given step: whole arrays on this
+  process's first device, whatever mesh saved them, or sharded as `abstract_state` says
+  (ShapeDtypeStructs with shardings, from the saved config's Experiment; see `saved_config`)."""
   step, config = saved_config(workdir, step)
   manager = _reader(workdir)
   try:
-    state = manager.restore(step,
-                            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+    target = abstract_state if abstract_state is not None else _on_one_device(
+        manager.item_metadata(step)["state"])
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
   except Exception as e:  # as in Checkpointer._read
     others = [s for s in manager.all_steps() if s != step]
     raise DamagedCheckpointError(
@@ -247,6 +248,15 @@ def _directory(workdir: str | epath.Path) -> epath.Path:
 
 
 def _reader(workdir: str) -> ocp.CheckpointManager:
-  # create=False: reading a misspelt workdir must not create it.
+  # create=False: reading a misspelt workdir must not create it. The state's handler named up front,
+  # so that its metadata (shapes, dtypes) can be read before it is restored.
   return ocp.CheckpointManager(_directory(workdir), item_names=("state", "data", "config"),
+                               item_handlers={"state": ocp.StandardCheckpointHandler()},
                                options=ocp.CheckpointManagerOptions(create=False))
+
+
+def _on_one_device(metadata: Any) -> Any:
+  """A restore target of the saved arrays whole on this process's first device: restoring without
+  one asks for the saving run's device topology."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)

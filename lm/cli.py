@@ -13,6 +13,7 @@ which sets up the rest:
   fails and libtpu prints an error-looking trace about worker hostnames, so there JAX is told to use
   the CPU; lm-compile loads libtpu's compiler itself (`jax.experimental.topologies`), which this does
   not touch. A JAX_PLATFORMS the user set is left as it is.
+- The CPU backend's device count: a --config's `cpu_devices`, set before anything starts JAX.
 - TensorStore's tracebacks of operations a failed orbax save or restore abandoned are not shown
   (`_ignore_late_completions`): the command reports that failure in its own line.
 - A --config file that is missing or fails to run, a misspelt --config.* field or a value of the
@@ -35,6 +36,19 @@ def choose_platform() -> None:
   """CPU on a host without TPU chips, unless JAX_PLATFORMS (jax_platforms) says otherwise."""
   if not jax.config.jax_platforms and not hardware_utils.num_available_tpu_chips_and_device_id()[0]:
     jax.config.update("jax_platforms", "cpu")
+
+
+def use_cpu_devices(count: int) -> None:
+  """config.cpu_devices: JAX's CPU backend as `count` devices (0: its default). A count forced in
+  XLA_FLAGS wins, as the user's explicit choice; so does a JAX whose backends have started (a test, a
+  notebook), which keeps the devices it has and says so."""
+  if count <= 0 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  try:
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError:
+    logging.warning("cpu_devices=%d not applied: JAX has started already with %d device(s)", count,
+                    jax.device_count())
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -121,6 +135,8 @@ def run(main: Callable[[list[str]], None], module: str) -> None:
   def configured_main(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)
+    if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
+      use_cpu_devices(flags.FLAGS.config.get("cpu_devices", 0))
     main(argv)
 
   sys.unraisablehook = _ignore_late_completions

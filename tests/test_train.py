@@ -14,7 +14,7 @@ from small import small_config
 
 from configs import tiny
 from data_pipelines import pipeline, sources
-from lm import attention, run_log, train
+from lm import attention, checkpointing, cli, run_log, train
 from lm.experiment import Experiment
 
 
@@ -259,6 +259,39 @@ def test_the_cpu_library_fusion_reaches_the_compiled_steps_and_changes_no_number
       "xla_cpu_experimental_ynn_fusion_type":
           "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_REDUCE"
   }
+
+
+def test_cpu_devices_split_the_host_and_a_run_resumes_on_another_count(small_corpus, tmp_path):
+  """config.cpu_devices makes the CPU that many devices, which the mesh's data axis takes; a run saved on
+  2 resumes on 4, given by XLA_FLAGS, whose forced count wins over the config's; lm-latent's reader
+  takes the parameters onto one device."""
+  config = tmp_path / "config.py"
+  config.write_text(f"from small import small_config\n\ndef get_config():\n"
+                    f"  c = small_config({str(small_corpus)!r})\n  c.train.steps = 4\n  c.cpu_devices = 2\n"
+                    f"  return c\n")
+  env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, "-m", "lm.train", f"--config={config}", f"--workdir={tmp_path / 'run'}"]
+  first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert "1 process, 2 devices, mesh {'data': 2, 'fsdp': 1, 'tensor': 1}" in first.stdout
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  again = subprocess.run([*cmd, "--config.train.steps=6"], capture_output=True, text=True, env=env,
+                         timeout=300)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "1 process, 4 devices, mesh {'data': 4, 'fsdp': 1, 'tensor': 1}" in again.stdout
+  assert "resumed from the checkpoint at step 4" in again.stdout and "step 6/6 | loss" in again.stdout
+  # The analysis tools read the parameters whole in this process (one device), saved on 4.
+  config, params = checkpointing.load(str(tmp_path / "run"))
+  assert config.cpu_devices == 2 and params["embed"].shape == (320, 32)
+
+
+def test_cpu_devices_leave_a_started_jax_as_it_is(monkeypatch, caplog):
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  count = jax.device_count()  # starts JAX's backends, as any test before this one may have
+  cli.use_cpu_devices(count + 1)
+  assert jax.device_count() == count
+  assert f"cpu_devices={count + 1} not applied: JAX has started already with {count} device(s)" in caplog.text
 
 
 def test_the_cpu_library_fusion_is_cpu_only_and_checked():

@@ -1,6 +1,8 @@
 """Per-step losses of the same global batches on different meshes (run with 16 CPU devices).
 
-Usage: mesh_losses.py CORPUS_DIR → prints JSON {mesh name: [losses]}.
+Usage: mesh_losses.py CORPUS_DIR → prints JSON {model: {mesh name: [losses]}}: the language model on
+the corpus, and SRAVEN with attention dropout (one mask per step, shared over the batch however the
+batch is split: over devices, as cpu_devices does on a CPU host, and into microbatches).
 """
 
 import json
@@ -9,6 +11,7 @@ import sys
 import jax
 from small import small_config
 
+from configs import sraven
 from lm.experiment import Experiment
 from lm.train import HostData
 
@@ -38,7 +41,13 @@ def main():
   c.train.update(batch_size=16, microbatches=2)
   c.mesh.update(data=4, fsdp=2, tensor=2)
   results["16 devices, 2 microbatches"] = losses(c, jax.devices())
-  print(json.dumps(results))
+  compositional = {}
+  for name, n, k in (("1 device", 1, 1), ("2 devices, 4 microbatches", 2, 4)):
+    c = sraven.get_config()
+    c.model.update(D=16, qkv_dim=8, H=4, L=2, F=32, attention_dropout=0.3)
+    c.train.update(instances=8 * 30, batch_size=8, microbatches=k, lr=3e-3, warmup_steps=3)
+    compositional[name] = losses(c.copy_and_resolve_references(), jax.devices()[:n])
+  print(json.dumps({"language model": results, "sraven": compositional}))
 
 
 if __name__ == "__main__":
