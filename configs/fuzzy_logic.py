@@ -50,9 +50,9 @@ def get_config():
   # dimensions) is many small element-wise passes that the library runs slower than XLA does; the step
   # takes 22-25% less CPU time (docs/compositional.md).
   c.cpu_library_fusion = "dot"
-  # The batch of 128 in 8 parts of 16 whose gradients are summed: the same step (attention dropout's
-  # mask is one per step either way), with each part's [16, H, T, T] attention arrays small enough to
-  # stay in a CPU core's cache. 1.15-1.55x the steps/s of one part of 128 on a 2-core CPU
-  # (docs/compositional.md); on an accelerator, where larger products are faster, set 1.
-  c.train.microbatches = 8
+  # On a CPU, the batch of 128 split over 2 devices in one part (each device's attention arrays,
+  # [64, 8, 32, 32], are 2 MB): each core busy with a device's whole operations rather than idle inside
+  # small ones. On a 2-core CPU 1.25-1.3x the steps/s of one device in 8 cache-sized parts; 2 or 4
+  # parts are slower here (docs/compositional.md). cpu_devices is CPU-only.
+  c.cpu_devices = 2
   return c

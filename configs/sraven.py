@@ -46,9 +46,12 @@ def get_config():
   # dimensions) is many small element-wise passes that the library runs slower than XLA does; the step
   # takes 14% (softmax), 23% (linear), 18% (HYLA) less CPU time (docs/compositional.md).
   c.cpu_library_fusion = "dot"
-  # The batch of 128 in 8 parts of 16 whose gradients are summed: the same step (attention dropout's
-  # mask is one per step either way), with each part's [16, H, T, T] attention arrays small enough to
-  # stay in a CPU core's cache. 1.5-1.6x the steps/s of one part of 128 on a 2-core CPU
-  # (docs/compositional.md); on an accelerator, where larger products are faster, set 1.
-  c.train.microbatches = 8
+  # On a CPU, the batch of 128 in 4 parts of 32 whose gradients are summed, each part split over 2
+  # devices: the same step (attention dropout's mask is one per step either way), with each device's
+  # [16, H, T, T] attention arrays small enough for a core's cache and each core busy with a device's
+  # whole operations rather than idle inside small ones. On a 2-core CPU: 8 parts on one device take
+  # 1.5-1.6x the steps/s of one part, and 2 devices another 1.1-1.2x (docs/compositional.md). On an
+  # accelerator, where larger products are faster, set train.microbatches=1 (cpu_devices is CPU-only).
+  c.train.microbatches = 4
+  c.cpu_devices = 2
   return c
