@@ -50,7 +50,7 @@ def get_config():
   # devices: the same step (attention dropout's mask is one per step either way), with each device's
   # [16, H, T, T] attention arrays small enough for a core's cache and each core busy with a device's
   # whole operations rather than idle inside small ones. On a 2-core CPU: 8 parts on one device take
-  # 1.5-1.6x the steps/s of one part, and 2 devices another 1.1-1.2x (docs/compositional.md). On an
+  # 1.5-1.6x the steps/s of one part, and 2 devices another 1.06-1.2x (docs/compositional.md). On an
   # accelerator, where larger products are faster, set train.microbatches=1 (cpu_devices is CPU-only).
   c.train.microbatches = 4
   c.cpu_devices = 2
