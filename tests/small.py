@@ -1,6 +1,6 @@
-"""A small model on the generated test corpus (tests/conftest.py), and reading what a run wrote;
-importable from config files that tests hand to `lm-train` in a subprocess, so it imports nothing
-that defines flags."""
+"""A small model on the generated test corpus (tests/conftest.py), the compositional configs at a
+tiny size, and reading what a run wrote; importable from config files that tests hand to `lm-train`
+in a subprocess, so it imports nothing that defines flags."""
 
 import struct
 
@@ -19,6 +19,17 @@ def small_config(corpus_dir, **model):
   c.eval.update(every_steps=20, batch_size=8)
   c.checkpoint.every_steps = 1000
   return c
+
+
+def tiny_compositional(config_module, **model):
+  """configs/sraven.py or configs/fuzzy_logic.py (`config_module`) at a size that trains in seconds:
+  batches of 8, 30 steps, no attention dropout unless `model` asks for it."""
+  c = config_module.get_config()
+  c.model.update(**{**dict(D=16, qkv_dim=8, H=4, L=2, F=32, attention_dropout=0.0), **model})
+  c.train.update(instances=8 * 30, batch_size=8, lr=3e-3, warmup_steps=3, log_every_steps=10)
+  c.eval.update(every_steps=1000, batch_size=16, batches=1, final_batches=2)
+  c.checkpoint.every_steps = 1000
+  return c.copy_and_resolve_references()
 
 
 def tensorboard_events(workdir) -> list:

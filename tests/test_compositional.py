@@ -11,21 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from small import tiny_compositional as tiny
 
 from configs import fuzzy_logic as fuzzy_config, sraven as sraven_config
 from data_pipelines import pipeline, sraven
 from eval import latent
 from lm import tasks, tasks_compositional as tc, train
 from lm.experiment import Experiment
-
-
-def tiny(config_module, **model):
-  c = config_module.get_config()
-  c.model.update(**{**dict(D=16, qkv_dim=8, H=4, L=2, F=32, attention_dropout=0.0), **model})
-  c.train.update(instances=8 * 30, batch_size=8, lr=3e-3, warmup_steps=3, log_every_steps=10)
-  c.eval.update(every_steps=1000, batch_size=16, batches=1, final_batches=2)
-  c.checkpoint.every_steps = 1000
-  return c.copy_and_resolve_references()
 
 
 def test_sraven_sums_match_hand_computation():

@@ -9,7 +9,7 @@ import json
 import sys
 
 import jax
-from small import small_config
+from small import small_config, tiny_compositional
 
 from configs import sraven
 from lm.experiment import Experiment
@@ -43,10 +43,9 @@ def main():
   results["16 devices, 2 microbatches"] = losses(c, jax.devices())
   compositional = {}
   for name, n, k in (("1 device", 1, 1), ("2 devices, 4 microbatches", 2, 4)):
-    c = sraven.get_config()
-    c.model.update(D=16, qkv_dim=8, H=4, L=2, F=32, attention_dropout=0.3)
-    c.train.update(instances=8 * 30, batch_size=8, microbatches=k, lr=3e-3, warmup_steps=3)
-    compositional[name] = losses(c.copy_and_resolve_references(), jax.devices()[:n])
+    c = tiny_compositional(sraven, attention_dropout=0.3)
+    c.train.microbatches = k
+    compositional[name] = losses(c, jax.devices()[:n])
   print(json.dumps({"language model": results, "sraven": compositional}))
 
 
