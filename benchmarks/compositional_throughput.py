@@ -2,7 +2,7 @@
 
   flock /tmp/bench.lock python benchmarks/compositional_throughput.py \
     --paper_python=PAPER_VENV/bin/python --paper_repo=PAPER_CHECKOUT [--presets=softmax,linear,hyla] \
-    [--dtypes=float32,bfloat16] [--microbatches=1,8] [--cpu_devices=1,2] [--steps=100] [--repeats=3]
+    [--dtypes=float32,bfloat16,float32/bfloat16] [--microbatches=1,8] [--cpu_devices=1,2] [--steps=100] [--repeats=3]
 
 Both train configs/sraven.py's model (4 layers, width 1, batch 128, attention dropout 0.1) with
 their own data generators, after compilation. Each measurement is a fresh process; for every preset
@@ -30,7 +30,9 @@ import workers
 from absl import app, flags
 
 _PRESETS = flags.DEFINE_list("presets", ["softmax", "linear", "hyla"], "Our attention presets.")
-_DTYPES = flags.DEFINE_list("dtypes", ["float32"], "Our compute dtypes (parameters stay float32).")
+_DTYPES = flags.DEFINE_list(
+    "dtypes", ["float32"], "Our compute dtypes (parameters stay float32); COMPUTE/MATMUL sets "
+    "model.matmul_dtype too (float32/bfloat16: bfloat16 operands in the dense products only).")
 _STEPS = flags.DEFINE_integer("steps", 100, "Timed steps per measurement.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Alternating repeats per preset.")
 _PAPER_PYTHON = flags.DEFINE_string("paper_python", None, "Python of the paper code's venv.")
@@ -60,7 +62,8 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
   from lm.train import HostData  # noqa: PLC0415
 
   c = importlib.import_module(f"configs.{_TASK.value}").get_config()
-  c.model.update(attention=preset, dtype=dtype)
+  compute, _, matmul = dtype.partition("/")
+  c.model.update(attention=preset, dtype=compute, matmul_dtype=matmul)
   if _MICROBATCHES.value:
     c.train.microbatches = int(_MICROBATCHES.value[0])
   if _CPU_DEVICES.value:

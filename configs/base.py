@@ -14,7 +14,8 @@ def get_config() -> ml_collections.ConfigDict:
            attention_dropout=0.0, causal=True, positions="rotary", max_len=2048, rope_base=10_000.0,
            relative_buckets=32, relative_max_distance=128, relative_bidirectional=True,
            relative_bias_per_layer=False, relative_bias_std=0.02, projection_bias=False,
-           residual_init="depth", tied_embeddings=False, input_dim=0, dtype="float32", remat="none"))
+           residual_init="depth", tied_embeddings=False, input_dim=0, dtype="float32", matmul_dtype="",
+           remat="none"))
   c.data = ml_collections.ConfigDict(
       dict(
           source="shakespeare",  # the embedded corpus, prepared into `dir` on first use

@@ -5,6 +5,7 @@ F MLP width, V vocabulary (or output classes), L layers, I continuous input feat
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -51,6 +52,10 @@ class ModelConfig:
   tied_embeddings: bool = False
   input_dim: int = 0  # >0: inputs are float vectors of this width instead of token ids
   dtype: str = "float32"  # compute dtype; parameters stay float32
+  # "bfloat16" with dtype float32: the dense products (projections, MLP) take bfloat16 operands and
+  # give float32 results, forward and backward; everything else stays float32 (see `product`).
+  # "" (or the compute dtype): products in the compute dtype.
+  matmul_dtype: str = ""
   remat: str = "none"  # a name in REMATS
 
   def __post_init__(self):
@@ -73,6 +78,12 @@ class ModelConfig:
       raise ValueError(f"unknown model.positions {self.positions!r}; choose one of: {', '.join(POSITIONS)}")
     if self.dtype not in DTYPES:
       raise ValueError(f"unknown model.dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+    if self.matmul_dtype not in ("", *DTYPES):
+      raise ValueError(f"unknown model.matmul_dtype {self.matmul_dtype!r}; choose '' (model.dtype) or one "
+                       f"of: {', '.join(DTYPES)}")
+    if self.matmul_dtype == "float32" and self.dtype != "float32":
+      raise ValueError(f"model.matmul_dtype='float32' needs model.dtype='float32': products take the "
+                       f"compute dtype ({self.dtype!r}) or bfloat16 operands")
     if self.positions == "relative_bias" and self.relative_max_distance < self.relative_buckets:
       raise ValueError(f"model.relative_max_distance={self.relative_max_distance} must be at least "
                        f"model.relative_buckets={self.relative_buckets}")
@@ -132,6 +143,39 @@ def _bias(module: nn.Module, name: str, shape: tuple[int, ...], *axes: str | Non
   if not module.cfg.projection_bias:
     return 0.0
   return module.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _low_precision_einsum(spec: str, low, x, w):
+  return jnp.einsum(spec, x.astype(low), w.astype(low), preferred_element_type=x.dtype)
+
+
+def _low_precision_einsum_fwd(spec, low, x, w):
+  return _low_precision_einsum(spec, low, x, w), (x.astype(low), w.astype(low))
+
+
+def _low_precision_einsum_bwd(spec, low, saved, g):
+  # The gradient's products take low-precision operands as well (JAX's own rule would multiply the
+  # float32 cotangent by the rounded operand in float32, the slow product this mode avoids).
+  x, w = saved
+  inputs, out = spec.split("->")
+  x_spec, w_spec = inputs.split(",")
+  g = g.astype(low)
+  dx = jnp.einsum(f"{out},{w_spec}->{x_spec}", g, w, preferred_element_type=jnp.float32)
+  dw = jnp.einsum(f"{x_spec},{out}->{w_spec}", x, g, preferred_element_type=jnp.float32)
+  return dx, dw
+
+
+_low_precision_einsum.defvjp(_low_precision_einsum_fwd, _low_precision_einsum_bwd)
+
+
+def product(cfg: ModelConfig, spec: str, x, w) -> jax.Array:
+  """einsum(spec, x, w) in the compute dtype, or with model.matmul_dtype operands and float32 results:
+  CPUs with bfloat16 matrix units (AMX) run such products several times faster than float32 ones,
+  and nothing element-wise converts (docs/compositional.md)."""
+  if cfg.matmul_dtype in ("", cfg.dtype):
+    return jnp.einsum(spec, x, w)
+  return _low_precision_einsum(spec, DTYPES[cfg.matmul_dtype], x, w)
 
 
 def _residual_std(cfg: ModelConfig, fan_in: int) -> float:
@@ -202,9 +246,9 @@ class Attention(nn.Module):
     q0 = T - self.query_last if self.query_last else 0  # the first position that asks a query
     bq_hk, bk_hk, bv_hk = (_bias(self, n, (H, K), "heads", None, dtype=dtype) for n in ("bq", "bk", "bv"))
     bo_d = _bias(self, "bo", (D,), None, dtype=dtype)
-    q_bthk = jnp.einsum("btd,dhk->bthk", x_btd[:, q0:], w["wq"]) + bq_hk
-    k_bthk = jnp.einsum("btd,dhk->bthk", x_btd, w["wk"]) + bk_hk
-    v_bthk = jnp.einsum("btd,dhk->bthk", x_btd, w["wv"]) + bv_hk
+    q_bthk = product(cfg, "btd,dhk->bthk", x_btd[:, q0:], w["wq"]) + bq_hk
+    k_bthk = product(cfg, "btd,dhk->bthk", x_btd, w["wk"]) + bk_hk
+    v_bthk = product(cfg, "btd,dhk->bthk", x_btd, w["wv"]) + bv_hk
     knobs = cfg.layer_knobs(self.layer)
     positions, impl = None, cfg.attention_impl
     if q0:
@@ -224,7 +268,7 @@ class Attention(nn.Module):
       else:
         out_bthk = decode_cache.KeyValueCache(self.decode_len, knobs, name="kv")(q_bthk, k_bthk, v_bthk,
                                                                                  positions_bt, bias_bhqk)
-      return jnp.einsum("bthk,hkd->btd", out_bthk, wo_hkd) + bo_d
+      return product(cfg, "bthk,hkd->btd", out_bthk, wo_hkd) + bo_d
     if self.is_mutable_collection("codes"):
       self.sow(
           "codes", "a_bhqk",
@@ -237,7 +281,7 @@ class Attention(nn.Module):
                                 dropout_rate=dropout,
                                 dropout_rng=self.make_rng("dropout") if dropout else None,
                                 positions=positions)
-    return jnp.einsum("bthk,hkd->btd", out_bthk, wo_hkd) + bo_d
+    return product(cfg, "bthk,hkd->btd", out_bthk, wo_hkd) + bo_d
 
 
 class Mlp(nn.Module):
@@ -250,7 +294,8 @@ class Mlp(nn.Module):
     wo_fd = self.param("wo", _init(_residual_std(cfg, cfg.F), "mlp", "embed"), (cfg.F, cfg.D)).astype(dtype)
     bi_f = _bias(self, "bi", (cfg.F,), "mlp", dtype=dtype)
     bo_d = _bias(self, "bo", (cfg.D,), None, dtype=dtype)
-    mlp = lambda x_btd, wi_df, bi_f, wo_fd, bo_d: jax.nn.gelu(x_btd @ wi_df + bi_f) @ wo_fd + bo_d
+    mlp = lambda x_btd, wi_df, bi_f, wo_fd, bo_d: product(
+        cfg, "btf,fd->btd", jax.nn.gelu(product(cfg, "btd,df->btf", x_btd, wi_df) + bi_f), wo_fd) + bo_d
     if cfg.remat == "mlp":
       # The backward pass forms the [B, T, F] hidden again from x rather than writing it to memory and
       # reading it back: a third more MLP FLOPs for two fewer passes over the model's widest activation,

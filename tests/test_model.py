@@ -175,15 +175,21 @@ def test_hybrid_flops_are_the_sum_of_their_layers():
   assert per_token("hyla,hyla,hyla,softmax") == (3 * per_token("hyla") + per_token("softmax")) / 4
 
 
+def _products(jaxpr):
+  """Every matrix product (dot_general) in a jaxpr, into nested calls."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield eqn
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      yield from _products(sub)
+
+
 def _matmul_flops(jaxpr) -> int:
   """2 x the multiply-adds of every matrix product in a jaxpr, into nested calls."""
   total = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      (contract, _), _ = eqn.params["dimension_numbers"]
-      total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod(
-          [eqn.invars[0].aval.shape[a] for a in contract])
-    total += sum(_matmul_flops(sub) for sub in jax_core.jaxprs_in_params(eqn.params))
+  for eqn in _products(jaxpr):
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod([eqn.invars[0].aval.shape[a] for a in contract])
   return total
 
 
@@ -259,3 +265,55 @@ def test_readout_last_refuses_what_it_cannot_keep_exact():
   for kw in (dict(segment_ids_bt=jnp.ones_like(tokens_bt)), dict(readout_last=13)):
     with pytest.raises(ValueError, match="readout_last"):
       m.apply({"params": params}, tokens_bt, **{"readout_last": 2, **kw})
+
+
+def test_bfloat16_products_round_the_operands_and_nothing_else():
+  """model.matmul_dtype="bfloat16": each dense product, forward and backward, multiplies bfloat16
+  operands into a float32 result; the result is the float32 product of the rounded operands."""
+  cfg = model_lib.ModelConfig(V=50, matmul_dtype="bfloat16")
+  x_btd, w_dhk, g_bthk = (
+      jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(2, 5, 8), (8, 3, 4), (2, 5, 3, 4)]))
+  rounded = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
+  spec = "btd,dhk->bthk"
+  out, pull = jax.vjp(lambda x, w: model_lib.product(cfg, spec, x, w), x_btd, w_dhk)
+  dx, dw = pull(g_bthk)
+  assert out.dtype == dx.dtype == dw.dtype == jnp.float32
+  exact = lambda s, a, b: jnp.einsum(s, rounded(a), rounded(b), precision="highest")
+  np.testing.assert_allclose(out, exact(spec, x_btd, w_dhk), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(dx, exact("bthk,dhk->btd", g_bthk, w_dhk), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(dw, exact("btd,bthk->dhk", x_btd, g_bthk), rtol=1e-6, atol=1e-6)
+  assert not np.allclose(out, jnp.einsum(spec, x_btd, w_dhk, precision="highest"), rtol=1e-6, atol=1e-6)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(model_lib.product(cfg, spec, x, w)**2),
+                                  argnums=(0, 1)))(x_btd, w_dhk)
+  dots = list(_products(jaxpr.jaxpr))
+  assert len(dots) == 3
+  assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+  assert all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
+
+
+def test_bfloat16_products_stay_closer_to_float32_than_bfloat16_compute():
+  """Rounding only the products' operands: outputs and every parameter's gradient are nearer the
+  float32 model's than those of model.dtype="bfloat16" (which rounds everything), and float32."""
+  m, params, tokens_bt = _model(attention="hyla")
+  loss = lambda model: lambda p: jnp.sum(model.apply({"params": p}, tokens_bt)**2)
+  ref, ref_grads = m.apply({"params": params}, tokens_bt), jax.grad(loss(m))(params)
+  errors = {}
+  for kw in (dict(matmul_dtype="bfloat16"), dict(dtype="bfloat16")):
+    other = model_lib.Transformer(dataclasses.replace(m.cfg, **kw))
+    out, grads = other.apply({"params": params}, tokens_bt), jax.grad(loss(other))(params)
+    assert out.dtype == jnp.float32 and all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    relative = jax.tree.map(lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)), grads, ref_grads)
+    errors[kw.popitem()[0]] = (float(jnp.abs(out - ref).max()), max(jax.tree.leaves(relative)))
+  assert 0 < errors["matmul_dtype"][0] < errors["dtype"][0] < 0.1
+  assert 0 < errors["matmul_dtype"][1] < errors["dtype"][1] < 0.3
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(matmul_dtype="fp8"),
+     "unknown model.matmul_dtype 'fp8'; choose '' .model.dtype. or one of: float32, bfloat16"),
+    (dict(matmul_dtype="float32",
+          dtype="bfloat16"), "model.matmul_dtype='float32' needs model.dtype='float32'"),
+])
+def test_bad_matmul_dtype_fails_with_a_clear_message(kw, message):
+  with pytest.raises(ValueError, match=message):
+    model_lib.ModelConfig(V=50, **kw)
