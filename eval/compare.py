@@ -154,8 +154,10 @@ def curves(runs: list[dict], key: str, x_of=AXES[0][1]) -> dict[str, dict[str, l
 def plot(runs: list[dict], out: str, split: str = "validation", key: str = "perplexity", axes=AXES) -> None:
   """`key` of the `split` evaluations against each of `axes`, one line (± one s.e. band) per group."""
   fig, panels = plt.subplots(1, len(axes), figsize=(5 * len(axes), 4.2), sharey=True, squeeze=False)
+  several = False
   for ax, (xlabel, x_of) in zip(panels[0], axes):
     for label, c in curves(runs, key, x_of).items():
+      several |= c["seeds"] > 1
       x, y, se = (np.asarray(c[k]) for k in ("x", "mean", "stderr"))
       seeds = f", {c['seeds']} seeds" if c["seeds"] > 1 else ""
       line, = ax.plot(x, y, marker="o", markersize=3, label=label + seeds)
@@ -163,7 +165,7 @@ def plot(runs: list[dict], out: str, split: str = "validation", key: str = "perp
         ax.fill_between(x, y - se, y + se, color=line.get_color(), alpha=0.25, linewidth=0)
     ax.set(xlabel=xlabel, yscale="log" if key == "perplexity" else "linear")
     ax.grid(True, which="both", alpha=0.3)
-  panels[0][0].set_ylabel(f"{split} {key} (mean ± 1 s.e. over seeds)")
+  panels[0][0].set_ylabel(f"{split} {key}" + (" (mean ± 1 s.e. over seeds)" if several else ""))
   panels[0][0].legend(fontsize=8)
   save_figure(fig, out)
 

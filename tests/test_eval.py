@@ -11,6 +11,7 @@ import threading
 import time
 
 import filesystems
+import matplotlib
 import numpy as np
 import pytest
 from small import small_config
@@ -340,3 +341,24 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_step_and_the_fix(trained, t
       rf"lm-eval: the checkpoint at step 6 \({workdir}/checkpoints/6\) cannot be read: .{{10,300}}; "
       r"lm-train with --config.checkpoint.skip_damaged=true sets damaged steps aside and resumes from "
       r"the newest intact one\n", result.stderr), result.stderr
+
+
+def test_curves_promise_error_bars_only_where_seeds_give_them(tmp_path):
+  """The y label names the standard error over seeds only when some line has more than one seed."""
+  runs = []
+  for seed in (0, 1):
+    write_run(tmp_path / str(seed), "softmax", {10: 40.0 + seed})
+    runs.append(compare.read_run(str(tmp_path / str(seed))))
+  labels = {}
+  with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as text, not paths
+    labels["one run"] = _plot_text(runs[:1], tmp_path / "one.svg")
+    for seed, r in enumerate(runs):  # the same config but for the seed: one line of two seeds
+      r["config"] = {"seed": seed}
+    labels["two seeds"] = _plot_text(runs, tmp_path / "two.svg")
+  assert ["over seeds" in labels[k] for k in ("one run", "two seeds")] == [False, True]
+  assert "validation perplexity" in labels["one run"]
+
+
+def _plot_text(runs, out) -> str:
+  compare.plot(runs, str(out))
+  return out.read_text()
