@@ -192,9 +192,13 @@ def load(
   step, config = saved_config(workdir, step)
   manager = _reader(workdir)
   try:
-    target = abstract_state if abstract_state is not None else _on_one_device(
-        manager.item_metadata(step)["state"])
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    params = (abstract_state.params if abstract_state is not None else _on_one_device(
+        manager.item_metadata(step)["state"]["params"]))
+    # Only the parameters are read, not the optimiser's moments (twice their size) or the rest.
+    restore = ocp.args.PyTreeRestore(
+        item={"params": params}, partial_restore=True,
+        restore_args=ocp.checkpoint_utils.construct_restore_args({"params": params}))
+    params = manager.restore(step, args=ocp.args.Composite(state=restore))["state"]["params"]
   except Exception as e:  # as in Checkpointer._read
     others = [s for s in manager.all_steps() if s != step]
     raise DamagedCheckpointError(
@@ -204,7 +208,7 @@ def load(
         f"intact one") from e
   finally:
     manager.close()
-  return config, state.params if abstract_state is not None else state["params"]
+  return config, params
 
 
 def saved_config(workdir: str, step: int | None = None) -> tuple[int, ml_collections.ConfigDict]:
@@ -250,9 +254,10 @@ def _directory(workdir: str | epath.Path) -> epath.Path:
 
 def _reader(workdir: str) -> ocp.CheckpointManager:
   # create=False: reading a misspelt workdir must not create it. The state's handler named up front,
-  # so that its metadata (shapes, dtypes) can be read before it is restored.
+  # so that its metadata (shapes, dtypes) can be read before it is restored; the PyTree handler (what
+  # the standard one saved through) restores a part of it.
   return ocp.CheckpointManager(_directory(workdir), item_names=("state", "data", "config"),
-                               item_handlers={"state": ocp.StandardCheckpointHandler()},
+                               item_handlers={"state": ocp.PyTreeCheckpointHandler()},
                                options=ocp.CheckpointManagerOptions(create=False))
 
 

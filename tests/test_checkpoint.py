@@ -12,6 +12,7 @@ import time
 import filesystems
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from etils import epath
 from small import small_config, tensorboard_events
@@ -230,10 +231,27 @@ def test_skip_mode_keeps_training(small_corpus, tmp_path, capsys):
   assert_finite(checkpointing.load(str(tmp_path))[1])
 
 
-def test_load_gives_the_config_and_parameters(small_corpus, reference):
+def test_load_gives_the_config_and_parameters(small_corpus, reference, monkeypatch):
+  """Only the parameters are read (not the optimiser's moments), equal to those the whole state holds."""
+  read = []
+  deserialize = ocp.type_handlers.ArrayHandler.deserialize
+
+  async def recording(self, infos, args=None):
+    read.extend(info.name for info in infos)
+    return await deserialize(self, infos, args)
+
+  monkeypatch.setattr(ocp.type_handlers.ArrayHandler, "deserialize", recording)
   config, params = checkpointing.load(str(reference))
   assert config.model.D == 32 and config.train.steps == 30
   assert params["embed"].shape == (320, 32)
+  assert len(read) == len(jax.tree.leaves(params)) and all(name.startswith("params.") for name in read)
+  monkeypatch.undo()
+  whole = ocp.CheckpointManager(
+      epath.Path(reference) / "checkpoints", item_names=("state",),
+      options=ocp.CheckpointManagerOptions(create=False))
+  state = whole.restore(30, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+  jax.tree.map(np.testing.assert_array_equal, params, state["params"])
+  assert len(jax.tree.leaves(state)) > 3 * len(read)  # the moments and the rest were there to read
   with pytest.raises(FileNotFoundError, match="no checkpoint at step 7 .* steps there: \\[25, 30\\]"):
     checkpointing.load(str(reference), step=7)
 
