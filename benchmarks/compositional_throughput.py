@@ -46,8 +46,8 @@ _CPU_DEVICES = flags.DEFINE_list("cpu_devices", [], "Our cpu_devices values, eac
 _TASK = flags.DEFINE_enum("task", "sraven", ["sraven", "fuzzy_logic"],
                           "With --worker: our config (the paper's side runs SRAVEN only).")
 _XLA_DEFAULT = flags.DEFINE_bool(
-    "xla_default_fusion", False, "Measure ours with XLA's default CPU fusion (cpu_library_fusion=\"\") too; "
-    "with --worker: only that way.")
+    "xla_default_fusion", False, "Measure ours with XLA's default CPU fusion (cpu_library_fusion=\"\") too, "
+    "each dtype; with --worker: only that way.")
 
 PAPER_MODEL = {"softmax": "transformer", "linear": "linear_transformer", "hyla": "linear_hypatt"}
 WARMUP_STEPS = 5
@@ -112,8 +112,8 @@ def drive() -> None:
   for preset in _PRESETS.value:
     micro = [[]] if not _MICROBATCHES.value else [[f"--microbatches={k}"] for k in _MICROBATCHES.value]
     devices = [[]] if not _CPU_DEVICES.value else [[f"--cpu_devices={n}"] for n in _CPU_DEVICES.value]
-    ours = [(d, m + n) for d in _DTYPES.value for m in micro for n in devices
-           ] + ([("float32", ["--xla_default_fusion"])] if _XLA_DEFAULT.value else [])
+    fusions = [[], ["--xla_default_fusion"]] if _XLA_DEFAULT.value else [[]]
+    ours = [(d, m + n + f) for d in _DTYPES.value for f in fusions for m in micro for n in devices]
     label = lambda d, extra: " ".join(
         [d, *(e.lstrip("-").replace("xla_default_fusion", "XLA default fusion") for e in extra)])
     results = {"paper": []} | {label(d, extra): [] for d, extra in ours}
