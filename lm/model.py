@@ -147,11 +147,12 @@ def _bias(module: nn.Module, name: str, shape: tuple[int, ...], *axes: str | Non
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _low_precision_einsum(spec: str, low, x, w):
-  return jnp.einsum(spec, x.astype(low), w.astype(low), preferred_element_type=x.dtype)
+  return _low_precision_einsum_fwd(spec, low, x, w)[0]
 
 
 def _low_precision_einsum_fwd(spec, low, x, w):
-  return _low_precision_einsum(spec, low, x, w), (x.astype(low), w.astype(low))
+  x, w = x.astype(low), w.astype(low)
+  return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32), (x, w)
 
 
 def _low_precision_einsum_bwd(spec, low, saved, g):
