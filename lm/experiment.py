@@ -1,7 +1,9 @@
 """What follows from a config and the devices: model, task, optimiser, mesh, shardings, jitted steps."""
 
 import functools
+import importlib.metadata
 import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,6 +70,32 @@ def cpu_compiler_options(kinds: str, platform: str) -> dict[str, str] | None:
   return {"xla_cpu_experimental_ynn_fusion_type": ",".join(f"LIBRARY_FUSION_TYPE_{n.upper()}" for n in names)}
 
 
+# libtpu before 0.0.50 moves the gradient all-reduce out of the microbatch loop (XLA's
+# while-loop-all-reduce-code-motion) even where the loop zeroes the accumulated embedding gradient on
+# all but one device of the all-reduce group, which is how SPMD partitions the gradient of the
+# embedding's gather: the other devices then keep only their last microbatch (openxla/xla#49143).
+# tests/test_compile.py finds it in libtpu 0.0.42.1's compiled train step, not in 0.0.50.1's, which
+# keeps that all-reduce in the loop (docs/faults.md).
+FIXED_LIBTPU = (0, 0, 50)
+
+
+def libtpu_version() -> str | None:
+  try:
+    return importlib.metadata.version("libtpu")
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def microbatch_compiler_options(microbatches: int, platform: str, libtpu: str | None) -> dict[str, str]:
+  """The XLA options the train step needs for its microbatch loop to sum gradients correctly: on TPU
+  with a libtpu older than FIXED_LIBTPU (or of unknown version), without the pass that miscompiles it."""
+  if microbatches == 1 or platform != "tpu":
+    return {}
+  if libtpu and tuple(int(n) for n in re.findall(r"\d+", libtpu)[:3]) >= FIXED_LIBTPU:
+    return {}
+  return {"xla_disable_hlo_passes": "while-loop-all-reduce-code-motion"}
+
+
 class Experiment:
 
   def __init__(self, config: ml_collections.ConfigDict, devices=None):
@@ -88,8 +116,10 @@ class Experiment:
     if config.eval.batch_size % shards:
       raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the {shards} "
                        f"batch shards of the mesh (data x fsdp); choose a multiple of {shards}")
-    self.compiler_options = cpu_compiler_options(config.get("cpu_library_fusion", ""),
-                                                 self.mesh.devices.flat[0].platform)
+    platform = self.mesh.devices.flat[0].platform
+    self.compiler_options = cpu_compiler_options(config.get("cpu_library_fusion", ""), platform)
+    micro = microbatch_compiler_options(k, platform, libtpu_version() if platform == "tpu" else None)
+    self.train_compiler_options = {**(self.compiler_options or {}), **micro} or None
     cross_entropy.check_impl(config.train.cross_entropy_impl)
     if config.train.on_nonfinite not in ("stop", "skip"):
       raise ValueError(f"unknown train.on_nonfinite {config.train.on_nonfinite!r}; choose stop or skip")
@@ -180,7 +210,7 @@ class Experiment:
 
     return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                    out_shardings=(self.state_shardings, None), donate_argnums=0,
-                   compiler_options=self.compiler_options)
+                   compiler_options=self.train_compiler_options)
 
   def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
     with jax.set_mesh(self.mesh):

@@ -6,6 +6,7 @@ the topology, width, heads, vocabulary, sequence length and sharding stay the re
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ pytest.importorskip(
 
 from small import small_config  # noqa: E402
 
-from configs import c4_50m, sraven  # noqa: E402
+from configs import c4_50m, sraven, tiny  # noqa: E402
 from data_pipelines import pipeline  # noqa: E402
 from launch import compile as compile_lib  # noqa: E402
 from lm import attention, attention_hypernetwork  # noqa: E402
@@ -121,3 +122,76 @@ def test_batch_spec_is_a_real_batch(small_corpus):
     real = next(exp.task.train_iterator(pipeline.Shard(), 2))
     assert {k: (v.shape[1:], np.dtype(v.dtype)) for k, v in spec.items()} == _spec(real)
     assert {v.shape[0] for v in spec.values()} == {config.train.batch_size}
+
+
+def _loop_carry_scatters(hlo: str) -> list[set[str]]:
+  """In a compiled program's text: every scatter inside a loop whose base is one of the loop's carried
+  values zeroed on some devices (a select on partition-id, SPMD's form of the embedding gather's
+  gradient summed over data shards), with the operations that use the scatter's result."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    if m := re.match(r"(?:ENTRY )?%([\w.\-]+) ", line):
+      name, comps[m.group(1)] = m.group(1), {}
+    elif name and (d := re.match(r"\s+(?:ROOT )?%([\w.\-]+) = (.*)", line)):
+      comps[name][d.group(1)] = d.group(2)
+  args = lambda rhs: re.findall(r"%([\w.\-]+)", rhs.split("), ")[0])
+  opcode = lambda rhs: re.search(r"(?<![\w\-])([a-z][a-z\-]*)\(", rhs).group(1)
+  found = []
+  for body in set(re.findall(r"body=%([\w.\-]+)", hlo)):
+    ops = comps[body]
+
+    def does(n, what):  # n is `what`, or a fusion whose computation holds one
+      called = re.search(r"calls=%([\w.\-]+)", ops[n])
+      return opcode(ops[n]) == what or bool(called) and any(
+          opcode(r) == what for r in comps.get(called.group(1), {}).values())
+
+    def on_partition(n, seen):
+      if n in seen or n not in ops:
+        return False
+      seen.add(n)
+      return opcode(ops[n]) == "partition-id" or any(on_partition(a, seen) for a in args(ops[n]))
+
+    carried = {
+        n for n, rhs in ops.items()
+        if opcode(rhs) == "get-tuple-element" and opcode(ops.get(args(rhs)[0], "x(")) == "parameter"
+    }
+    for n, rhs in ops.items():
+      if does(n, "select") and carried & set(args(rhs)) and any(
+          on_partition(a, set()) for a in args(rhs) if a not in carried):
+        for s, srhs in ops.items():
+          if n in args(srhs) and does(s, "scatter"):
+            found.append({opcode(urhs) for u, urhs in ops.items() if s in args(urhs)})
+  return found
+
+
+def test_microbatch_loop_sums_the_embedding_gradient_on_every_device(v5e_2x2):
+  """With microbatches, the embedding's gradient (a scatter) is accumulated in the loop; on a
+  multi-chip mesh SPMD zeroes the accumulated value on all but one device of the data group before
+  each scatter and relies on the all-reduce after it. libtpu before 0.0.50 moved that all-reduce out
+  of the loop (openxla/xla#49143), dropping every other device's earlier microbatches; the train step
+  must keep it inside the loop."""
+  from lm import experiment  # pylint: disable=import-outside-toplevel
+  c = tiny.get_config()
+  c.model.update(D=64, H=4, L=1, F=128)
+  c.train.update(batch_size=8, microbatches=2)
+  c.mesh.update(data=4, fsdp=1, tensor=1)
+  exp = Experiment(c, devices=v5e_2x2.devices)
+  scatters = _loop_carry_scatters(exp.lower_train_step().compile().as_text())
+  assert scatters and all("all-reduce" in users for users in scatters), scatters
+  # The check above sees the fault: without the option, the affected libtpu leaves the loop with the
+  # zeroed sums (their only user is the loop's result).
+  if experiment.microbatch_compiler_options(2, "tpu", experiment.libtpu_version()):
+    exp = Experiment(c, devices=v5e_2x2.devices)
+    exp.train_compiler_options = None
+    scatters = _loop_carry_scatters(exp.lower_train_step().compile().as_text())
+    assert scatters == [{"tuple"}], scatters
+
+
+def test_microbatch_compiler_options():
+  from lm.experiment import microbatch_compiler_options  # pylint: disable=import-outside-toplevel
+  off = {"xla_disable_hlo_passes": "while-loop-all-reduce-code-motion"}
+  assert microbatch_compiler_options(2, "tpu", "0.0.42.1") == off
+  assert microbatch_compiler_options(2, "tpu", None) == off
+  assert microbatch_compiler_options(2, "tpu", "0.0.50.1") == {}
+  assert microbatch_compiler_options(1, "tpu", "0.0.42.1") == {}
+  assert microbatch_compiler_options(4, "cpu", "0.0.42.1") == {}
