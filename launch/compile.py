@@ -130,6 +130,8 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
           seq_len,
       "microbatches":
           config.train.microbatches,
+      "compiler_options":
+          exp.train_compiler_options or {},
       "steps":
           config.train.steps,
       "tokens":
@@ -224,6 +226,10 @@ def format_report(r: dict) -> str:
   ]
   if r["microbatches"] > 1:  # XLA's cost analysis counts a loop's body once, whatever its trip count.
     lines.append(f"  the compiler's FLOPs and bytes cover 1 of the {r['microbatches']} microbatches")
+  if "xla_disable_hlo_passes" in r["compiler_options"]:
+    lines.append(f"  compiled without {r['compiler_options']['xla_disable_hlo_passes']}: this libtpu "
+                 "miscompiles the microbatch loop's gradient sum with it (docs/faults.md); gradients are "
+                 "summed across chips once per microbatch")
   return "\n".join(lines)
 
 

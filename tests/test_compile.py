@@ -178,6 +178,9 @@ def test_microbatch_loop_sums_the_embedding_gradient_on_every_device(v5e_2x2):
   exp = Experiment(c, devices=v5e_2x2.devices)
   scatters = _loop_carry_scatters(exp.lower_train_step().compile().as_text())
   assert scatters and all("all-reduce" in users for users in scatters), scatters
+  # lm-compile says when it compiles without the pass.
+  text = compile_lib.format_report(compile_lib.report(c, "v5e:2x2"))
+  assert ("compiled without while-loop-all-reduce-code-motion" in text) == bool(exp.train_compiler_options)
   # The check above sees the fault: without the option, the affected libtpu leaves the loop with the
   # zeroed sums (their only user is the loop's result).
   if experiment.microbatch_compiler_options(2, "tpu", experiment.libtpu_version()):
