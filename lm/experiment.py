@@ -75,7 +75,8 @@ def cpu_compiler_options(kinds: str, platform: str) -> dict[str, str] | None:
 # all but one device of the all-reduce group, which is how SPMD partitions the gradient of the
 # embedding's gather: the other devices then keep only their last microbatch (openxla/xla#49143).
 # tests/test_compile.py finds it in libtpu 0.0.42.1's compiled train step, not in 0.0.50.1's, which
-# keeps that all-reduce in the loop (docs/faults.md).
+# keeps that all-reduce in the loop (docs/faults.md). XLA's GPU compiler runs the same pass and cannot
+# be checked here, so GPUs run without it; XLA's CPU compiler does not run it.
 FIXED_LIBTPU = (0, 0, 50)
 
 
@@ -87,11 +88,12 @@ def libtpu_version() -> str | None:
 
 
 def microbatch_compiler_options(microbatches: int, platform: str, libtpu: str | None) -> dict[str, str]:
-  """The XLA options the train step needs for its microbatch loop to sum gradients correctly: on TPU
-  with a libtpu older than FIXED_LIBTPU (or of unknown version), without the pass that miscompiles it."""
-  if microbatches == 1 or platform != "tpu":
+  """The XLA options the train step needs for its microbatch loop to sum gradients correctly: on an
+  accelerator, without the pass that miscompiles it, unless a libtpu of FIXED_LIBTPU or later says
+  otherwise."""
+  if microbatches == 1 or platform == "cpu":
     return {}
-  if libtpu and tuple(int(n) for n in re.findall(r"\d+", libtpu)[:3]) >= FIXED_LIBTPU:
+  if platform == "tpu" and libtpu and tuple(int(n) for n in re.findall(r"\d+", libtpu)[:3]) >= FIXED_LIBTPU:
     return {}
   return {"xla_disable_hlo_passes": "while-loop-all-reduce-code-motion"}
 

@@ -198,3 +198,4 @@ def test_microbatch_compiler_options():
   assert microbatch_compiler_options(2, "tpu", "0.0.50.1") == {}
   assert microbatch_compiler_options(1, "tpu", "0.0.42.1") == {}
   assert microbatch_compiler_options(4, "cpu", "0.0.42.1") == {}
+  assert microbatch_compiler_options(2, "gpu", None) == off
