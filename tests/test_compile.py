@@ -25,7 +25,7 @@ from configs import c4_50m, sraven, tiny  # noqa: E402
 from data_pipelines import pipeline  # noqa: E402
 from launch import compile as compile_lib  # noqa: E402
 from lm import attention, attention_hypernetwork  # noqa: E402
-from lm.experiment import Experiment  # noqa: E402
+from lm.experiment import Experiment, microbatch_compiler_options  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config.model.L=1", "--config.train.batch_size=16"]
@@ -170,7 +170,6 @@ def test_microbatch_loop_sums_the_embedding_gradient_on_every_device(v5e_2x2):
   each scatter and relies on the all-reduce after it. libtpu before 0.0.50 moved that all-reduce out
   of the loop (openxla/xla#49143), dropping every other device's earlier microbatches; the train step
   must keep it inside the loop."""
-  from lm import experiment  # pylint: disable=import-outside-toplevel
   c = tiny.get_config()
   c.model.update(D=64, H=4, L=1, F=128)
   c.train.update(batch_size=8, microbatches=2)
@@ -183,7 +182,7 @@ def test_microbatch_loop_sums_the_embedding_gradient_on_every_device(v5e_2x2):
   assert ("compiled without while-loop-all-reduce-code-motion" in text) == bool(exp.train_compiler_options)
   # The check above sees the fault: without the option, the affected libtpu leaves the loop with the
   # zeroed sums (their only user is the loop's result).
-  if experiment.microbatch_compiler_options(2, "tpu", experiment.libtpu_version()):
+  if exp.train_compiler_options:
     exp = Experiment(c, devices=v5e_2x2.devices)
     exp.train_compiler_options = None
     scatters = _loop_carry_scatters(exp.lower_train_step().compile().as_text())
@@ -191,7 +190,6 @@ def test_microbatch_loop_sums_the_embedding_gradient_on_every_device(v5e_2x2):
 
 
 def test_microbatch_compiler_options():
-  from lm.experiment import microbatch_compiler_options  # pylint: disable=import-outside-toplevel
   off = {"xla_disable_hlo_passes": "while-loop-all-reduce-code-motion"}
   assert microbatch_compiler_options(2, "tpu", "0.0.42.1") == off
   assert microbatch_compiler_options(2, "tpu", None) == off
