@@ -32,6 +32,9 @@ from data_pipelines import storage
 
 OWNER = "owner.json"
 RENEWALS_PER_LEASE = 3
+# How long a job refused a local workdir waits for the lock's holder to write its details: the holder
+# writes them just after locking, so a job started at the same moment may look before they exist.
+OWNER_WAIT_SECONDS = 5.0
 
 
 class WorkdirError(Exception):
@@ -75,12 +78,36 @@ class LocalLock:
       fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       self.file.close()
-      raise _in_use(workdir, _read(workdir / OWNER),
-                    "a job that dies releases the workdir at once.") from None
+      raise _in_use(workdir, _holder(workdir), "a job that dies releases the workdir at once.") from None
     storage.write_bytes(workdir / OWNER, json.dumps(_me()).encode())
 
   def release(self) -> None:
     self.file.close()  # closing drops the flock
+
+
+def _holder(workdir: epath.Path) -> dict | None:
+  """The details the lock's holder wrote, waiting up to OWNER_WAIT_SECONDS for them; details left by a
+  process of this host that has ended (an owner before the holder) are not the holder's."""
+  deadline = time.monotonic() + OWNER_WAIT_SECONDS
+  while True:
+    owner = _read(workdir / OWNER)
+    if owner is not None and _may_be_running(owner):
+      return owner
+    if time.monotonic() > deadline:
+      return None
+    time.sleep(0.05)
+
+
+def _may_be_running(owner: dict) -> bool:
+  if owner.get("host") != socket.gethostname():
+    return True  # a workdir shared between hosts: no way to tell from here
+  try:
+    os.kill(owner["pid"], 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    pass
+  return True
 
 
 class Lease:

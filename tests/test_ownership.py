@@ -2,8 +2,14 @@
 naming the owner; a crashed owner's workdir is taken over (locally at once, on gs:// once its lease
 lapses)."""
 
+import fcntl
+import json
+import os
 import re
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -72,3 +78,26 @@ def test_an_unusable_workdir_is_named(tmp_path, gcs):
   with pytest.raises(ownership.WorkdirError, match="bucket 'no-such-bucket' does not exist"):
     with ownership.hold("gs://no-such-bucket/run"):
       pass
+
+
+def test_a_refused_job_names_the_holder_not_an_owner_that_ended(tmp_path, monkeypatch):
+  """Locally the holder writes its details just after taking the lock. A job refused in between waits for
+  them, and details left by an earlier owner whose process has ended are not taken for the holder's."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                         text=True, check=True)
+  details = lambda pid: json.dumps({"host": socket.gethostname(), "pid": pid, "started": time.time()})
+  (workdir / ownership.OWNER).write_text(details(int(ended.stdout)))
+  holder = open(workdir / ".owner.lock", "a+")  # pylint: disable=consider-using-with
+  fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the holder, before it writes its details
+  monkeypatch.setattr(ownership, "OWNER_WAIT_SECONDS", 0.5)
+  with pytest.raises(ownership.WorkdirError, match=r"in use by another job \(it has not written its details"):
+    ownership.LocalLock(epath.Path(workdir))
+  # The holder writes them while the refused job waits: it is named.
+  monkeypatch.setattr(ownership, "OWNER_WAIT_SECONDS", 10.0)
+  threading.Timer(0.3, lambda: (workdir / ownership.OWNER).write_text(details(os.getpid()))).start()
+  with pytest.raises(ownership.WorkdirError,
+                     match=rf"host {re.escape(socket.gethostname())}, pid {os.getpid()},"):
+    ownership.LocalLock(epath.Path(workdir))
+  holder.close()
