@@ -14,6 +14,7 @@ lm/attention.py says which of them computes what.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -219,6 +220,8 @@ def per_device(local, q, k, v, segment_ids, bias, batch_axes, *, split_heads: bo
   if mesh.empty:
     return local(q, k, v, segment_ids, bias)
   batch = tuple(a for a in batch_axes if a in mesh.axis_names)
+  if q.shape[0] % math.prod(mesh.shape[a] for a in batch):
+    batch = ()  # fewer rows than shards (initialisation traces one row): every device takes them all
   split = split_heads and "tensor" in mesh.axis_names and q.shape[2] % mesh.shape["tensor"] == 0
   heads = "tensor" if split else None
   qkv_spec = P(batch, None, heads, None)

@@ -1,7 +1,8 @@
 """Per-step losses of the same global batches on different meshes (run with 16 CPU devices).
 
 Usage: mesh_losses.py CORPUS_DIR → prints JSON {model: {mesh name: [losses]}}: the language model on
-the corpus, and SRAVEN with attention dropout (one mask per step, shared over the batch however the
+the corpus (also at 128 tokens, a length the TPU kernels take, whose branch initialisation traces on
+one row), and SRAVEN with attention dropout (one mask per step, shared over the batch however the
 batch is split: over devices, as cpu_devices does on a CPU host, and into microbatches).
 """
 
@@ -41,12 +42,18 @@ def main():
   c.train.update(batch_size=16, microbatches=2)
   c.mesh.update(data=4, fsdp=2, tensor=2)
   results["16 devices, 2 microbatches"] = losses(c, jax.devices())
+  long = {}
+  for name, n in (("1 device", 1), ("2 devices", 2)):
+    c = small_config(sys.argv[1])
+    c.data.seq_len = 128
+    c.train.batch_size = 4
+    long[name] = losses(c, jax.devices()[:n], steps=3)
   compositional = {}
   for name, n, k in (("1 device", 1, 1), ("2 devices, 4 microbatches", 2, 4)):
     c = tiny_compositional(sraven, attention_dropout=0.3)
     c.train.microbatches = k
     compositional[name] = losses(c, jax.devices()[:n])
-  print(json.dumps({"language model": results, "sraven": compositional}))
+  print(json.dumps({"language model": results, "language model, 128 tokens": long, "sraven": compositional}))
 
 
 if __name__ == "__main__":
