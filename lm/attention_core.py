@@ -217,7 +217,7 @@ def per_device(local, q, k, v, segment_ids, bias, batch_axes, *, split_heads: bo
   and the hypernetwork value network couple all heads of a (query, key) pair, so their kernels take
   every head: split_heads=False gathers them on each device of the tensor axis."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
+  if mesh.empty or mesh.manual_axes:  # no mesh, or inside a shard_map already (the train step's on CPU)
     return local(q, k, v, segment_ids, bias)
   batch = tuple(a for a in batch_axes if a in mesh.axis_names)
   if q.shape[0] % math.prod(mesh.shape[a] for a in batch):

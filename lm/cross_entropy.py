@@ -124,9 +124,10 @@ def check_impl(impl: str) -> None:
 
 
 def _mesh_rows(batch_axes: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
-  """The mesh axes among `batch_axes` that split the rows, and how many shards they make."""
-  mesh = jax.sharding.get_abstract_mesh()
-  rows = () if mesh.empty else tuple(a for a in batch_axes if a in mesh.axis_names)
+  """The mesh axes among `batch_axes` that split the rows, and how many shards they make (none inside
+  a shard_map, such as the CPU train step's, where the rows are one device's already)."""
+  mesh = sharding.partitioned_mesh()
+  rows = () if mesh is None else tuple(a for a in batch_axes if a in mesh.axis_names)
   return rows, math.prod(mesh.shape[a] for a in rows)
 
 

@@ -73,9 +73,16 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH))
 
 
+def partitioned_mesh():
+  """The mesh that jit partitions the computation over, or None: no mesh is set, or this runs inside a
+  shard_map, where every array is already one device's own."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh.empty or mesh.manual_axes else mesh
+
+
 def constrain_batch(x: jax.Array) -> jax.Array:
   """Pins an activation's leading (batch) axis to the batch mesh axes when a mesh is set, so
   parameters are gathered to the data rather than activations scattered to the parameters."""
-  if jax.sharding.get_abstract_mesh().empty:
+  if partitioned_mesh() is None:
     return x
   return jax.lax.with_sharding_constraint(x, P(BATCH, *([None] * (x.ndim - 1))))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,13 @@ def test_meshes_and_microbatches_give_the_same_losses(small_corpus):
        str(small_corpus)], capture_output=True, text=True, env=_env(16), timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   by_model = json.loads(result.stdout.strip().splitlines()[-1])
+  all_reduces = by_model.pop("all-reduces")
+  # The parameters whole on every device: one all-reduce a step, of one float32 vector holding the
+  # summed loss, the summed weight and every gradient (not one per microbatch and parameter).
+  flat = all_reduces["4 devices data=4, 2 microbatches"]
+  assert flat["sums_on_devices"] and flat["shapes"] == [f"f32[{flat['parameters'] + 2}]{{0}}"], flat
+  # Parameters split over fsdp and tensor: jit partitions the step and places the sums itself.
+  assert not all_reduces["16 devices, 2 microbatches"]["sums_on_devices"]
   lm_losses = by_model["language model"]["1 device"]
   assert lm_losses[-1] < lm_losses[0]
   for model, losses in by_model.items():
@@ -106,27 +114,31 @@ def test_two_processes_match_one_and_restart_exactly_after_sigkill(small_corpus,
   assert proc.returncode == 0, output[-3000:]
   assert "lm-launch: process 1 of 2 exited with status 137; stopping the others" in output
   assert "lm-launch: restarting all 2 processes (1 of 1 restarts)" in output
-  assert "[0] resumed from the checkpoint at step 10" in output
-  assert "[1] resumed from the checkpoint at step 10" in output  # Steps 11 and 12 ran twice.
+  # Checkpoints are saved every 5 steps, asynchronously: at the kill, step 10's may still be in flight,
+  # and then both processes go back to step 5. Either way both resume from the same step, before 12,
+  # so the steps after it up to 12 run twice.
+  resumed = sorted(re.findall(r"\[(\d)\] resumed from the checkpoint at step (\d+)", output))
+  assert [p for p, _ in resumed] == ["0", "1"] and resumed[0][1] == resumed[1][1] in ("5", "10"), resumed
   # The latest record of each step, bit for bit those of the uninterrupted run.
   assert _losses(killed) == got
 
 
 def test_sigterm_stops_both_processes_at_the_same_step(small_corpus, tmp_path):
   config = tmp_path / "multi.py"
-  config.write_text(MULTI_CONFIG.format(corpus=str(small_corpus)).replace("every_steps=5", "every_steps=100"))
+  config.write_text(
+      MULTI_CONFIG.format(corpus=str(small_corpus)).replace("every_steps=5", "every_steps=5000"))
   workdir = tmp_path / "run"
   launch = [
       sys.executable, "-m", "launch.cli", "processes", "-n", "2", "--xla_devices", "4", "--", sys.executable,
-      "-m", "lm.train", f"--config={config}", f"--workdir={workdir}"
-  ]
+      "-m", "lm.train", f"--config={config}", f"--workdir={workdir}", "--config.train.steps=1000"
+  ]  # steps enough that the run is still going when the signal lands (a step takes milliseconds)
   proc = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={
       **os.environ, "PYTHONPATH": HERE
   })
   seen = []
   for line in proc.stdout:
     seen.append(line)
-    if "step  8/20" in line:  # the step is right-aligned to the width of the total
+    if "step    8/1000" in line:  # the step is right-aligned to the width of the total
       proc.send_signal(signal.SIGTERM)
       break
   output = "".join(seen) + proc.communicate(timeout=300)[0]
