@@ -42,16 +42,14 @@ def get_config():
   # Periodic evaluations on 4,096 instances per set; the final one on the paper's 51,200.
   c.eval.update(every_steps=5000, batch_size=512, batches=8, final_batches=100)
   c.checkpoint.update(every_steps=5000)
-  # On CPU only the matrix products go to XLA's YNNPACK fusion: this model's attention (heads of 2-4
-  # dimensions) is many small element-wise passes that the library runs slower than XLA does; the step
-  # takes 14% (softmax), 23% (linear), 18% (HYLA) less CPU time (docs/compositional.md).
-  c.cpu_library_fusion = "dot"
-  # On a CPU, the batch of 128 in 4 parts of 32 whose gradients are summed, each part split over 2
-  # devices: the same step (attention dropout's mask is one per step either way), with each device's
-  # [16, H, T, T] attention arrays small enough for a core's cache and each core busy with a device's
-  # whole operations rather than idle inside small ones. On a 2-core CPU: 8 parts on one device take
-  # 1.5-1.6x the steps/s of one part, and 2 devices another 1.06-1.2x (docs/compositional.md). On an
-  # accelerator, where larger products are faster, set train.microbatches=1 (cpu_devices is CPU-only).
-  c.train.microbatches = 4
+  # On CPU, XLA's own fusion (no YNNPACK library fusion), and the batch of 128 in 8 parts of 16 whose
+  # gradients are summed, each part split over 2 devices: the same step (attention dropout's mask is
+  # one per step either way), with each device's [8, H, T, T] attention arrays small enough for a
+  # core's cache. Since the step sums the devices' gradients once per step, 8 parts train faster than
+  # 4 for every variant, and XLA's fusion no slower than YNNPACK's matrix products, and faster with
+  # model.matmul_dtype=bfloat16 (docs/compositional.md). On an accelerator, where larger products are
+  # faster, set train.microbatches=1 (cpu_devices and cpu_library_fusion are CPU-only).
+  c.cpu_library_fusion = ""
+  c.train.microbatches = 8
   c.cpu_devices = 2
   return c
