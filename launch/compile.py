@@ -8,6 +8,7 @@ FLOPs per step, the compiler's own time estimate, and an estimated step time and
 config's token budget. Exit status 1 when the step does not fit in HBM, 2 for a usage error.
 """
 
+import collections
 import dataclasses
 import importlib.util
 import json
@@ -22,7 +23,8 @@ from absl import app, flags
 from jax.experimental import topologies
 from ml_collections import config_flags
 
-from lm import attention_hypernetwork, cli, flops, sharding
+from launch import kernel_schedule
+from lm import cli, flops, sharding
 from lm.experiment import Experiment
 
 GiB = 2**30
@@ -32,17 +34,16 @@ GiB = 2**30
 class Chip:
   hbm_bytes: int
   hbm_bytes_per_second: float  # peak FLOP/s are lm.flops.PEAK_FLOPS, which MFU uses too
-  vector_ops_per_second: float  # float32 element operations of the vector unit: an assumption
+  clock_hz: float  # one VLIW bundle per cycle: turns the compiler's schedule of a Pallas kernel into time
 
 
-# Per chip, HBM from Cloud TPU's system-architecture pages; keyed by the devices' device_kind. The
-# vector unit's rate is not published: 8 sublanes x 128 lanes x 2 ALUs per cycle (the layout Google
-# described for earlier TPUs) at the clock the MXUs' peak implies (v5e: 197 TFLOP/s over four 128 x 128
-# arrays, 1.5 GHz; v5p and v6e: 1.75 GHz).
+# Per chip, HBM from Cloud TPU's system-architecture pages; keyed by the devices' device_kind. The clock
+# is the one the MXUs' peak implies (v5e: 197 TFLOP/s over four 128 x 128 arrays, 1.5 GHz; v5p and
+# v6e: 1.75 GHz).
 CHIPS = {
-    "TPU v5 lite": Chip(16 * GiB, 819e9, 2048 * 1.5e9),
-    "TPU v5": Chip(95 * GiB, 2765e9, 2048 * 1.75e9),
-    "TPU v6 lite": Chip(32 * GiB, 1640e9, 2048 * 1.75e9)
+    "TPU v5 lite": Chip(16 * GiB, 819e9, 1.5e9),
+    "TPU v5": Chip(95 * GiB, 2765e9, 1.75e9),
+    "TPU v6 lite": Chip(32 * GiB, 1640e9, 1.75e9)
 }
 # Topologies libtpu accepts here (tests/test_compile.py checks every one), for the error message.
 EXAMPLES = {
@@ -83,19 +84,27 @@ def argument_bytes(exp: Experiment) -> int:
   return sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape)) for x in leaves)
 
 
-def kernel_vector_ops(exp: Experiment) -> int:
-  """Per chip and step, the float32 element operations of the Pallas kernels whose work runs on the
-  vector unit (HYLA's, lm/attention_hypernetwork.py), which the compiler's count puts at the MXU's peak
-  and its cost model cannot time."""
+def kernel_schedules(exp: Experiment, topology: str) -> list[dict]:
+  """HYLA's Pallas kernels (lm/attention_hypernetwork.py) as the compiler scheduled them for one chip,
+  once per layer that runs them: the compiler's cost analysis gives them no time."""
   cfg, T = exp.model_cfg, exp.task.seq_len
   # Rows are split over the batch axes only: the kernels take every head on every chip.
   rows = exp.config.train.batch_size // math.prod(exp.mesh.shape[a] for a in sharding.BATCH)
-  return sum(
-      sum(
-          attention_hypernetwork.vector_ops(cfg.layer_knobs(layer), (rows, T, cfg.H,
-                                                                     cfg.K), cfg.causal).values())
+  layers = collections.Counter(
+      cfg.layer_knobs(layer)
       for layer in range(cfg.L)
       if cfg.layer_impl(layer, T, "tpu") == "pallas_hypernetwork")
+  return [
+      dict(
+          layers=n, knobs=dataclasses.asdict(knobs),
+          **kernel_schedule.schedule(knobs=dataclasses.asdict(knobs), rows=rows, seq_len=T, heads=cfg.H,
+                                     head_dim=cfg.K, dtype=cfg.dtype, causal=cfg.causal, topology=topology))
+      for knobs, n in layers.items()
+  ]
+
+
+def kernel_cycles(schedules: list[dict]) -> int:
+  return sum(s["layers"] * (s["forward"]["cycles"] + s["backward"]["cycles"]) for s in schedules)
 
 
 def report(config: ml_collections.ConfigDict, topology: str) -> dict:
@@ -165,12 +174,13 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
              optimal_seconds=cost["optimal_seconds"])
   out.update(peak_flops=peak, hbm_bytes_per_second=chip.hbm_bytes_per_second)
   compute, memory_time = roofline(out, out["compiler_bytes"])
-  vector_ops = kernel_vector_ops(exp)
+  schedules = kernel_schedules(exp, topology)
+  cycles = kernel_cycles(schedules)
   bound = "compute" if compute >= memory_time else "HBM bandwidth"
-  # Added, not overlapped: the kernels' vector work is their time, beside the rest of the step.
-  out.update(kernel_vector_ops=vector_ops, vector_ops_per_second=chip.vector_ops_per_second,
-             estimated_step_seconds=max(compute, memory_time) + vector_ops / chip.vector_ops_per_second,
-             bound=bound + " + vector unit" * (vector_ops > 0))
+  # Added, not overlapped: the kernels' schedule is their time, beside the rest of the step.
+  out.update(kernel_schedules=schedules, kernel_cycles=cycles, clock_hz=chip.clock_hz,
+             estimated_step_seconds=max(compute, memory_time) + cycles / chip.clock_hz,
+             bound=bound + " + HYLA's kernels" * (cycles > 0))
   out["estimated_hours"] = out["estimated_step_seconds"] * config.train.steps / 3600
   return out
 
@@ -201,7 +211,7 @@ def format_report(r: dict) -> str:
         f"  DOES NOT FIT in {_gib(r['hbm_bytes'])} of HBM; the compiler says: {r['compiler_message']}",
         f"  To fit: {fix}."
     ])
-  vector_ms = 1e3 * r["kernel_vector_ops"] / r["vector_ops_per_second"]
+  kernel_ms = 1e3 * r["kernel_cycles"] / r["clock_hz"]
   optimal = (f"{r['optimal_seconds'] * 1e3:.1f} ms" if r["optimal_seconds"] > 0 else
              f"unusable ({r['optimal_seconds']:.3f} s: negative when the cost model cannot time "
              "some operation of the step)")
@@ -219,8 +229,8 @@ def format_report(r: dict) -> str:
       "estimates, not measurements (docs/compile.md says how far to trust them):",
       f"  step time   {r['estimated_step_seconds'] * 1e3:.1f} ms = max(FLOPs / "
       f"{r['peak_flops'] / 1e12:.0f} TFLOP/s, bytes / {r['hbm_bytes_per_second'] / 1e9:.0f} GB/s)" +
-      (f" + {vector_ms:.1f} ms of HYLA's kernels on the vector unit ({r['kernel_vector_ops']:.3e} float32 "
-       f"operations at an assumed {r['vector_ops_per_second'] / 1e12:.2f} T/s)" if vector_ms else "") +
+      (f" + {kernel_ms:.1f} ms of HYLA's Pallas kernels (the compiler's schedule: {r['kernel_cycles']:.3e} "
+       f"bundles at {r['clock_hz'] / 1e9:.2f} GHz, no stalls)" if kernel_ms else "") +
       f"; bound: {r['bound']}",
       f"  run time    {r['estimated_hours']:.1f} h for {r['steps']:,} steps ({r['tokens'] / 1e9:.1f}B tokens)"
   ]

@@ -23,7 +23,7 @@ from small import small_config  # noqa: E402
 
 from configs import c4_50m, sraven, tiny  # noqa: E402
 from data_pipelines import pipeline  # noqa: E402
-from launch import compile as compile_lib  # noqa: E402
+from launch import compile as compile_lib, kernel_schedule  # noqa: E402
 from lm import attention, attention_hypernetwork  # noqa: E402
 from lm.experiment import Experiment, microbatch_compiler_options  # noqa: E402
 
@@ -56,15 +56,19 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
   # The compiler and the model agree on the step's FLOPs within the attention core's share.
   assert 0.8 < r["compiler_flops"] / r["model_flops"] < 1.25
   step = max(r["compiler_flops"], r["model_flops"]) / 197e12
-  # HYLA's Pallas kernels add their vector-unit work, counted from their programs (one layer, one row
-  # per chip), at the assumed rate; softmax has none.
-  knobs = attention.Knobs(**attention.preset(preset))
-  vector_ops = sum(attention_hypernetwork.vector_ops(knobs,
-                                                     (1, 512, 8, 64)).values()) if preset == "hyla" else 0
-  assert r["kernel_vector_ops"] == vector_ops and (vector_ops > 0) == (preset == "hyla")
-  assert r["vector_ops_per_second"] == 2048 * 1.5e9
+  # HYLA's Pallas kernels add their time as the compiler scheduled them (one layer, one row per chip:
+  # every causally visible tile of 512 tokens once); softmax runs none.
+  assert r["clock_hz"] == 1.5e9
+  if preset == "hyla":
+    (schedule,) = r["kernel_schedules"]
+    assert schedule["layers"] == 1 and schedule["knobs"] == attention.preset("hyla")
+    for kernel in ("forward", "backward"):
+      assert schedule[kernel]["visible_steps"] == attention_hypernetwork.visible_tiles(512, True)
+    assert r["kernel_cycles"] == sum(schedule[k]["cycles"] for k in ("forward", "backward")) > 0
+  else:
+    assert r["kernel_schedules"] == [] and r["kernel_cycles"] == 0
   assert r["estimated_step_seconds"] == pytest.approx(
-      max(step, r["compiler_bytes"] / 819e9) + vector_ops / 3.072e12)
+      max(step, r["compiler_bytes"] / 819e9) + r["kernel_cycles"] / 1.5e9)
   assert r["estimated_hours"] == pytest.approx(r["estimated_step_seconds"] * r["steps"] / 3600)
   assert r["tokens"] == r["steps"] * 16 * 512
 
@@ -74,7 +78,7 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
   assert "of 16.00 GiB HBM: fits" in text[6]
   assert text[12].startswith("estimates, not measurements")
   assert "; bound: " in text[13] and text[14].endswith("B tokens)")
-  assert ("ms of HYLA's kernels on the vector unit" in text[13]) == (preset == "hyla")
+  assert ("ms of HYLA's Pallas kernels (the compiler's schedule" in text[13]) == (preset == "hyla")
   # The compiler's own estimate only when it is one: it is negative when some operation is untimed.
   for seconds, shown in ((-17.004, "unusable (-17.004 s: negative when"), (0.0123, "12.3 ms")):
     assert shown in compile_lib.format_report({**r, "optimal_seconds": seconds}).splitlines()[11]
@@ -100,6 +104,25 @@ def test_unknown_topology(topology, message):
   assert result.returncode == 2
   assert message in result.stderr
   assert "choose one of: v5e:{2x2,2x4,4x4,4x8,8x8,8x16,16x16}; v5p:{2x2x1," in result.stderr
+
+
+def test_kernel_schedule_of_hyla_kernels():
+  """The compiler's schedule of HYLA's kernels for a v5e chip, read from libtpu's dumps: a grid step's
+  bundles hardly depend on the rows (only the grid's index arithmetic does), the visible steps grow
+  with them; the products batched over queries are on the MXU, and the forward kernel reduces nothing
+  across lanes."""
+  run = lambda rows: kernel_schedule.schedule(knobs=attention.preset("hyla"), rows=rows, seq_len=256, heads=8,
+                                              head_dim=64, dtype="bfloat16", causal=True, topology="v5e:2x2")
+  one, two = run(1), run(2)
+  for kernel in ("forward", "backward"):
+    assert one[kernel]["bundles_per_step"] == pytest.approx(two[kernel]["bundles_per_step"], rel=0.05)
+    assert one[kernel]["bundles_per_step"] > 1000
+    assert 2 * one[kernel]["visible_steps"] == two[kernel]["visible_steps"] == 2 * 3
+    assert two[kernel]["cycles"] == two[kernel]["bundles_per_step"] * two[kernel]["visible_steps"]
+    units = one[kernel]["units"]
+    assert units["VALU"]["slots"] == 4 and 0 < units["VALU"]["used"] <= 4
+    assert units["MXU"]["slots"] == 4 and units["MXU"]["used"] > 0
+  assert not any("xlane" in op for op in one["forward"]["operations"])
 
 
 def test_every_listed_topology_exists():

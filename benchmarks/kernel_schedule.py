@@ -1,0 +1,66 @@
+"""The compiler's own schedule of HYLA's Pallas TPU kernels, as a table: bundles per grid step and the
+units that fill them (launch/kernel_schedule.py reads them from libtpu's LLO dumps).
+
+    python benchmarks/kernel_schedule.py [--rows=16 --seq_len=512 --heads=8 --head_dim=64] [--json=FILE]
+
+Defaults: one v5e chip's share of configs/c4_50m.py (256 rows over 16 chips, 512 tokens, 8 heads of 64,
+bfloat16). The time is bundles x visible grid steps at the chip's clock, with no stall: an estimate
+from the compiler's schedule, not a measurement. What lm-compile adds to a HYLA step for the kernels.
+"""
+
+import json
+
+from absl import app, flags
+
+from launch import kernel_schedule
+from lm import attention
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("rows", 16, "Rows (sequences) on the chip.")
+flags.DEFINE_integer("seq_len", 512, "Tokens per row.")
+flags.DEFINE_integer("heads", 8, "Attention heads.")
+flags.DEFINE_integer("head_dim", 64, "Width of a head.")
+flags.DEFINE_string("preset", "hyla", "An attention preset the kernels run (hyla, hyla_no_rms_head, ...).")
+flags.DEFINE_bool("causal", True, "Causal attention.")
+flags.DEFINE_string("dtype", "bfloat16", "q, k, v dtype.")
+flags.DEFINE_string("topology", "v5e:4x4", "TPU topology; the kernels are compiled for its first chip.")
+flags.DEFINE_float("clock_ghz", 1.5, "The chip's clock (v5e: 197 bf16 TFLOP/s from four 128 x 128 MXUs).")
+flags.DEFINE_string("json", "", "Also write the result here.")
+
+
+def main(argv):
+  del argv
+  r = kernel_schedule.schedule(knobs=attention.preset(FLAGS.preset), rows=FLAGS.rows, seq_len=FLAGS.seq_len,
+                               heads=FLAGS.heads, head_dim=FLAGS.head_dim, dtype=FLAGS.dtype,
+                               causal=FLAGS.causal, topology=FLAGS.topology)
+  print(
+      f"{FLAGS.preset}'s Pallas kernels compiled for one chip of {FLAGS.topology}: {FLAGS.rows} rows x "
+      f"{FLAGS.seq_len} tokens, {FLAGS.heads} heads of {FLAGS.head_dim}, {FLAGS.dtype}, causal={FLAGS.causal}"
+  )
+  print("| kernel | bundles per grid step | visible grid steps | ms per layer (estimate: bundles x steps at "
+        f"{FLAGS.clock_ghz} GHz, no stalls) | fullest units (slots used per bundle / slots) |")
+  print("|---|---|---|---|---|")
+  total = 0.0
+  for name in ("forward", "backward"):
+    k = r[name]
+    ms = k["cycles"] / (FLAGS.clock_ghz * 1e6)
+    total += ms
+    busy = sorted(k["units"].items(), key=lambda u: -u[1]["used"] / u[1]["slots"])[:3]
+    print(f"| {name} | {k['bundles_per_step']:,} | {k['visible_steps']:,} | {ms:.2f} | " +
+          ", ".join(f"{u} {v['used']:.2f}/{v['slots']}" for u, v in busy) + " |")
+  print(f"both kernels: {total:.2f} ms per layer")
+  for name in ("forward", "backward"):
+    print(f"{name}, most frequent operations: " +
+          ", ".join(f"{op} {n}" for op, n in list(r[name]["operations"].items())[:12]))
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(
+          dict(
+              settings={
+                  f: FLAGS[f].value for f in ("rows", "seq_len", "heads", "head_dim", "preset", "causal",
+                                              "dtype", "topology", "clock_ghz")
+              }, **r), f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

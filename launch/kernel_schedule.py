@@ -1,0 +1,105 @@
+"""HYLA's Pallas kernels as the TPU compiler scheduled them, read from libtpu's LLO dumps.
+
+The compiler's cost analysis reports no time for a Pallas kernel (a custom call). But libtpu can write
+what it compiled each kernel to: a TPU core issues one VLIW bundle per cycle, and the listing says how
+many bundles a grid step's program holds and which units (MXU, cross-lane XLU, vector ALUs, loads,
+stores) each bundle fills. Bundles x visible grid steps is then the kernel's cycles as scheduled, with
+no stall: DMA waits and latencies the schedule does not hide come on top.
+
+libtpu reads its dump flags once, when it loads, so `schedule` compiles in a child process
+(`python -m launch.kernel_schedule SPEC`), which prints the result as JSON.
+"""
+
+import collections
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+_NUMBERS = re.compile(r"^\s*\d+(\s+\d+)+\s*$")
+
+
+def schedule(*, knobs: dict, rows: int, seq_len: int, heads: int, head_dim: int, dtype: str, causal: bool,
+             topology: str) -> dict:
+  """Per kernel ("forward", "backward"): bundles per grid step, visible grid steps, their product
+  (cycles), each unit's slots per bundle and average use, and the most frequent operations; for the
+  forward and backward pass of the kernels over [rows, seq_len, heads, head_dim] on one chip of
+  `topology`."""
+  spec = dict(knobs=knobs, rows=rows, seq_len=seq_len, heads=heads, head_dim=head_dim, dtype=dtype,
+              causal=causal, topology=topology)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, "-m", "launch.kernel_schedule",
+                           json.dumps(spec)], cwd=root, capture_output=True, text=True, env={
+                               **os.environ, "JAX_PLATFORMS": "cpu"
+                           })
+  if result.returncode:
+    raise RuntimeError(f"compiling HYLA's kernels for {topology} failed:\n{result.stderr[-3000:]}")
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _last(pattern: str) -> str:
+  files = sorted(glob.glob(pattern))
+  if not files:
+    raise FileNotFoundError(f"libtpu wrote no {pattern!r}; this libtpu may name its dumps differently")
+  return files[-1]
+
+
+def bundles(dump: str, kernel: str) -> int:
+  text = open(_last(f"{dump}/*{kernel}*schedule-analysis_final_bundles.txt")).read()
+  return int(re.search(r"total scheduled bundles:\s+(\d+)", text).group(1))
+
+
+def units(dump: str, kernel: str) -> dict[str, dict[str, float]]:
+  """Per unit: slots per bundle and slots used per bundle, averaged over the kernel's program."""
+  lines = open(_last(f"{dump}/*{kernel}*final_hlo-static-per-bundle-utilization.txt")).read().splitlines()
+  header = lines.index("== CAPACTIY:")  # sic
+  names = lines[header + 1].replace(",", " ").split()
+  capacity = [int(x) for x in lines[header + 2].split()]
+  used = [[int(x) for x in line.split()] for line in lines[header + 3:] if _NUMBERS.match(line)]
+  return {
+      name: dict(slots=capacity[i], used=sum(r[i] for r in used) / len(used)) for i, name in enumerate(names)
+  }
+
+
+def operations(dump: str, kernel: str) -> dict[str, int]:
+  """How often each operation occurs in the kernel's program, the most frequent first."""
+  text = open(_last(f"{dump}/*{kernel}*final_bundles.txt")).read()
+  return dict(collections.Counter(re.findall(r"= ([a-z][a-z0-9_.]+)", text)).most_common())
+
+
+def _compile_and_read(spec: dict) -> dict:
+  with tempfile.TemporaryDirectory() as dump:
+    os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
+                                      f" --xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true")
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    from lm import attention_core, attention_hypernetwork as kernels
+
+    chip = topologies.get_topology_desc(spec["topology"], "tpu").devices[0]
+    knobs = attention_core.Knobs(**spec["knobs"])
+    x = jax.ShapeDtypeStruct((spec["rows"], spec["seq_len"], spec["heads"], spec["head_dim"]),
+                             jnp.dtype(spec["dtype"]), sharding=SingleDeviceSharding(chip))
+
+    def loss(q, k, v):
+      out = kernels.attend_pallas_hypernetwork(q, k, v, knobs=knobs, causal=spec["causal"])
+      return jnp.square(out.astype(jnp.float32)).sum()  # uses the output, so the forward kernel stays
+
+    jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
+    steps = spec["rows"] * kernels.visible_tiles(spec["seq_len"], spec["causal"])
+    out = {}
+    for name, kernel in (("forward", kernels.FORWARD), ("backward", kernels.BACKWARD)):
+      n = bundles(dump, kernel)
+      out[name] = dict(bundles_per_step=n, visible_steps=steps, cycles=n * steps, units=units(dump, kernel),
+                       operations=operations(dump, kernel))
+    return out
+
+
+if __name__ == "__main__":
+  print(json.dumps(_compile_and_read(json.loads(sys.argv[1]))))
