@@ -174,13 +174,17 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
              optimal_seconds=cost["optimal_seconds"])
   out.update(peak_flops=peak, hbm_bytes_per_second=chip.hbm_bytes_per_second)
   compute, memory_time = roofline(out, out["compiler_bytes"])
-  schedules = kernel_schedules(exp, topology)
+  try:
+    schedules, untimed = kernel_schedules(exp, topology), ""
+  except RuntimeError as e:  # e.g. a libtpu whose dumps this reader does not know: the rest still holds
+    schedules, untimed = [], str(e).strip().splitlines()[-1]
   cycles = kernel_cycles(schedules)
   bound = "compute" if compute >= memory_time else "HBM bandwidth"
   # Added, not overlapped: the kernels' schedule is their time, beside the rest of the step.
-  out.update(kernel_schedules=schedules, kernel_cycles=cycles, clock_hz=chip.clock_hz,
+  out.update(kernel_schedules=schedules, kernel_cycles=cycles, kernels_untimed=untimed,
+             clock_hz=chip.clock_hz,
              estimated_step_seconds=max(compute, memory_time) + cycles / chip.clock_hz,
-             bound=bound + " + HYLA's kernels" * (cycles > 0))
+             bound=bound + " + HYLA's kernels" * (cycles > 0) + " (HYLA's kernels untimed)" * bool(untimed))
   out["estimated_hours"] = out["estimated_step_seconds"] * config.train.steps / 3600
   return out
 
@@ -234,6 +238,8 @@ def format_report(r: dict) -> str:
       f"; bound: {r['bound']}",
       f"  run time    {r['estimated_hours']:.1f} h for {r['steps']:,} steps ({r['tokens'] / 1e9:.1f}B tokens)"
   ]
+  if r["kernels_untimed"]:
+    lines.append(f"  HYLA's Pallas kernels are not in the step time: {r['kernels_untimed']}")
   if r["microbatches"] > 1:  # XLA's cost analysis counts a loop's body once, whatever its trip count.
     lines.append(f"  the compiler's FLOPs and bytes cover 1 of the {r['microbatches']} microbatches")
   if "xla_disable_hlo_passes" in r["compiler_options"]:

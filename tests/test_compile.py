@@ -84,6 +84,27 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
     assert shown in compile_lib.format_report({**r, "optimal_seconds": seconds}).splitlines()[11]
 
 
+def test_kernels_the_compiler_cannot_schedule_leave_the_rest_of_the_report(monkeypatch):
+  """When HYLA's kernels cannot be timed (here: the dump reader fails), lm-compile still reports memory,
+  FLOPs and the roofline, and says the kernels are missing from the step time."""
+
+  def fail(**_):
+    raise RuntimeError(
+        "compiling HYLA's kernels for v5e:4x4 failed:\nFileNotFoundError: libtpu wrote no dump")
+
+  monkeypatch.setattr(compile_lib.kernel_schedule, "schedule", fail)
+  config = c4_50m.get_config()
+  config.model.update(L=1, attention="hyla")
+  config.train.batch_size = 16
+  r = compile_lib.report(config, "v5e:4x4")
+  assert r["fits"] and r["kernel_cycles"] == 0 and r["kernel_schedules"] == []
+  assert r["kernels_untimed"] == "FileNotFoundError: libtpu wrote no dump"
+  assert r["bound"] == "HBM bandwidth (HYLA's kernels untimed)"
+  assert r["estimated_step_seconds"] == pytest.approx(r["compiler_bytes"] / 819e9)
+  assert ("  HYLA's Pallas kernels are not in the step time: FileNotFoundError: libtpu wrote no dump"
+          in compile_lib.format_report(r).splitlines())
+
+
 def test_text_report_and_does_not_fit():
   """32768 rows (2048 per chip) need ~28 GiB of temporaries: the compiler stops at once, exit 1."""
   result = lm_compile("--topology=v5e:4x4", "--config.model.L=1", "--config.train.batch_size=32768")
