@@ -221,9 +221,17 @@ def test_pallas_hypernetwork_on_each_device_of_a_mesh():
   assert result.stdout.strip().endswith("equal"), result.stderr[-3000:]
 
 
-def test_pallas_hypernetwork_in_bfloat16():
+@pytest.mark.parametrize("mxu_operands", ["float32", "bfloat16"])
+def test_pallas_hypernetwork_in_bfloat16(mxu_operands, monkeypatch):
   """The model's compute dtype: outputs and gradients come back in bfloat16, as close to the float32
-  definition as the reference computed in bfloat16 (the kernels compute the tile in float32)."""
+  definition as the reference computed in bfloat16 (the kernels compute the tile in float32). On TPU
+  the per-query products on the MXU round their operands to bfloat16 (its default precision), which
+  the interpreter does not: emulated here by rounding them before the product."""
+  if mxu_operands == "bfloat16":
+    exact_products = attention_hypernetwork._per_query
+    rounded = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+    monkeypatch.setattr(attention_hypernetwork, "_per_query",
+                        lambda x, y, cx, cy: exact_products(rounded(x), rounded(y), cx, cy))
   q, k, v, cotangent = (
       jax.random.normal(key, (1, 128, 4, 16)) for key in jax.random.split(jax.random.key(5), 4))
   kw = dict(**attention.preset("hyla"), segment_ids=jnp.asarray([[0] * 70 + [1] * 58]))
