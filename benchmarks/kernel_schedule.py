@@ -4,7 +4,8 @@ units that fill them (launch/kernel_schedule.py reads them from libtpu's LLO dum
     python benchmarks/kernel_schedule.py [--rows=16 --seq_len=512 --heads=8 --head_dim=64] [--json=FILE]
 
 Defaults: one v5e chip's share of configs/c4_50m.py (256 rows over 16 chips, 512 tokens, 8 heads of 64,
-bfloat16). The time is bundles x visible grid steps at the chip's clock, with no stall: an estimate
+bfloat16). The time is bundles x visible grid steps at the chip's clock (lm-compile's table of chips),
+with no stall: an estimate
 from the compiler's schedule, not a measurement. What lm-compile adds to a HYLA step for the kernels.
 """
 
@@ -12,7 +13,7 @@ import json
 
 from absl import app, flags
 
-from launch import kernel_schedule
+from launch import compile as compile_lib, kernel_schedule
 from lm import attention
 
 FLAGS = flags.FLAGS
@@ -24,7 +25,6 @@ flags.DEFINE_string("preset", "hyla", "An attention preset the kernels run (hyla
 flags.DEFINE_bool("causal", True, "Causal attention.")
 flags.DEFINE_string("dtype", "bfloat16", "q, k, v dtype.")
 flags.DEFINE_string("topology", "v5e:4x4", "TPU topology; the kernels are compiled for its first chip.")
-flags.DEFINE_float("clock_ghz", 1.5, "The chip's clock (v5e: 197 bf16 TFLOP/s from four 128 x 128 MXUs).")
 flags.DEFINE_string("json", "", "Also write the result here.")
 
 
@@ -33,17 +33,18 @@ def main(argv):
   r = kernel_schedule.schedule(knobs=attention.preset(FLAGS.preset), rows=FLAGS.rows, seq_len=FLAGS.seq_len,
                                heads=FLAGS.heads, head_dim=FLAGS.head_dim, dtype=FLAGS.dtype,
                                causal=FLAGS.causal, topology=FLAGS.topology)
+  clock_ghz = compile_lib.CHIPS[r["device_kind"]].clock_hz / 1e9
   print(
       f"{FLAGS.preset}'s Pallas kernels compiled for one chip of {FLAGS.topology}: {FLAGS.rows} rows x "
       f"{FLAGS.seq_len} tokens, {FLAGS.heads} heads of {FLAGS.head_dim}, {FLAGS.dtype}, causal={FLAGS.causal}"
   )
   print("| kernel | bundles per grid step | visible grid steps | ms per layer (estimate: bundles x steps at "
-        f"{FLAGS.clock_ghz} GHz, no stalls) | fullest units (slots used per bundle / slots) |")
+        f"{clock_ghz} GHz, no stalls) | fullest units (slots used per bundle / slots) |")
   print("|---|---|---|---|---|")
   total = 0.0
   for name in ("forward", "backward"):
     k = r[name]
-    ms = k["cycles"] / (FLAGS.clock_ghz * 1e6)
+    ms = k["cycles"] / (clock_ghz * 1e6)
     total += ms
     busy = sorted(k["units"].items(), key=lambda u: -u[1]["used"] / u[1]["slots"])[:3]
     print(f"| {name} | {k['bundles_per_step']:,} | {k['visible_steps']:,} | {ms:.2f} | " +
@@ -57,8 +58,8 @@ def main(argv):
       json.dump(
           dict(
               settings={
-                  f: FLAGS[f].value for f in ("rows", "seq_len", "heads", "head_dim", "preset", "causal",
-                                              "dtype", "topology", "clock_ghz")
+                  f: FLAGS[f].value
+                  for f in ("rows", "seq_len", "heads", "head_dim", "preset", "causal", "dtype", "topology")
               }, **r), f, indent=1)
 
 

@@ -94,13 +94,15 @@ def kernel_schedules(exp: Experiment, topology: str) -> list[dict]:
       cfg.layer_knobs(layer)
       for layer in range(cfg.L)
       if cfg.layer_impl(layer, T, "tpu") == "pallas_hypernetwork")
-  return [
-      dict(
-          layers=n, knobs=dataclasses.asdict(knobs),
-          **kernel_schedule.schedule(knobs=dataclasses.asdict(knobs), rows=rows, seq_len=T, heads=cfg.H,
-                                     head_dim=cfg.K, dtype=cfg.dtype, causal=cfg.causal, topology=topology))
-      for knobs, n in layers.items()
-  ]
+  schedules = []
+  for knobs, n in layers.items():
+    spec = dataclasses.asdict(knobs)
+    schedules.append(
+        dict(
+            layers=n, knobs=spec,
+            **kernel_schedule.schedule(knobs=spec, rows=rows, seq_len=T, heads=cfg.H, head_dim=cfg.K,
+                                       dtype=cfg.dtype, causal=cfg.causal, topology=topology)))
+  return schedules
 
 
 def kernel_cycles(schedules: list[dict]) -> int:

@@ -24,8 +24,8 @@ _NUMBERS = re.compile(r"^\s*\d+(\s+\d+)+\s*$")
 
 def schedule(*, knobs: dict, rows: int, seq_len: int, heads: int, head_dim: int, dtype: str, causal: bool,
              topology: str) -> dict:
-  """Per kernel ("forward", "backward"): bundles per grid step, visible grid steps, their product
-  (cycles), each unit's slots per bundle and average use, and the most frequent operations; for the
+  """The chip's device_kind, and per kernel ("forward", "backward"): bundles per grid step, visible grid
+  steps, their product (cycles), each unit's slots per bundle and average use, and the most frequent operations; for the
   forward and backward pass of the kernels over [rows, seq_len, heads, head_dim] on one chip of
   `topology`."""
   spec = dict(knobs=knobs, rows=rows, seq_len=seq_len, heads=heads, head_dim=head_dim, dtype=dtype,
@@ -72,17 +72,16 @@ def operations(dump: str, kernel: str) -> dict[str, int]:
 
 def _compile_and_read(spec: dict) -> dict:
   with tempfile.TemporaryDirectory() as dump:
-    os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
                                       f" --xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true")
     import jax
     import jax.numpy as jnp
-    from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
+    from launch import compile as compile_cli
     from lm import attention_core, attention_hypernetwork as kernels
 
-    chip = topologies.get_topology_desc(spec["topology"], "tpu").devices[0]
+    chip = compile_cli.topology_devices(spec["topology"])[0]
     knobs = attention_core.Knobs(**spec["knobs"])
     x = jax.ShapeDtypeStruct((spec["rows"], spec["seq_len"], spec["heads"], spec["head_dim"]),
                              jnp.dtype(spec["dtype"]), sharding=SingleDeviceSharding(chip))
@@ -93,7 +92,7 @@ def _compile_and_read(spec: dict) -> dict:
 
     jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
     steps = spec["rows"] * kernels.visible_tiles(spec["seq_len"], spec["causal"])
-    out = {}
+    out = {"device_kind": chip.device_kind}
     for name, kernel in (("forward", kernels.FORWARD), ("backward", kernels.BACKWARD)):
       n = bundles(dump, kernel)
       out[name] = dict(bundles_per_step=n, visible_steps=steps, cycles=n * steps, units=units(dump, kernel),
