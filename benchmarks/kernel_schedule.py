@@ -13,7 +13,7 @@ import json
 
 from absl import app, flags
 
-from launch import compile as compile_lib, kernel_schedule
+from launch import kernel_schedule, topology
 from lm import attention
 
 FLAGS = flags.FLAGS
@@ -33,7 +33,7 @@ def main(argv):
   r = kernel_schedule.schedule(knobs=attention.preset(FLAGS.preset), rows=FLAGS.rows, seq_len=FLAGS.seq_len,
                                heads=FLAGS.heads, head_dim=FLAGS.head_dim, dtype=FLAGS.dtype,
                                causal=FLAGS.causal, topology=FLAGS.topology)
-  clock_ghz = compile_lib.CHIPS[r["device_kind"]].clock_hz / 1e9
+  clock_ghz = topology.CHIPS[r["device_kind"]].clock_hz / 1e9
   print(
       f"{FLAGS.preset}'s Pallas kernels compiled for one chip of {FLAGS.topology}: {FLAGS.rows} rows x "
       f"{FLAGS.seq_len} tokens, {FLAGS.heads} heads of {FLAGS.head_dim}, {FLAGS.dtype}, causal={FLAGS.causal}"

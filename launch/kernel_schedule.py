@@ -78,10 +78,10 @@ def _compile_and_read(spec: dict) -> dict:
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from launch import compile as compile_cli
+    from launch import topology
     from lm import attention_core, attention_hypernetwork as kernels
 
-    chip = compile_cli.topology_devices(spec["topology"])[0]
+    chip = topology.topology_devices(spec["topology"])[0]
     knobs = attention_core.Knobs(**spec["knobs"])
     x = jax.ShapeDtypeStruct((spec["rows"], spec["seq_len"], spec["heads"], spec["head_dim"]),
                              jnp.dtype(spec["dtype"]), sharding=SingleDeviceSharding(chip))

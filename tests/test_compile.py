@@ -23,7 +23,7 @@ from small import small_config  # noqa: E402
 
 from configs import c4_50m, sraven, tiny  # noqa: E402
 from data_pipelines import pipeline  # noqa: E402
-from launch import compile as compile_lib, kernel_schedule  # noqa: E402
+from launch import compile as compile_lib, kernel_schedule, topology  # noqa: E402
 from lm import attention, attention_hypernetwork  # noqa: E402
 from lm.experiment import Experiment, microbatch_compiler_options  # noqa: E402
 
@@ -147,7 +147,7 @@ def test_kernel_schedule_of_hyla_kernels():
 
 
 def test_every_listed_topology_exists():
-  for chip, shapes in compile_lib.EXAMPLES.items():
+  for chip, shapes in topology.EXAMPLES.items():
     for shape in shapes:
       devices = compile_lib.topology_devices(f"{chip}:{shape}")
       assert len(devices) == math.prod(int(n) for n in shape.split("x"))
