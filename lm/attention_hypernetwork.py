@@ -19,6 +19,15 @@ and those filled the cross-lane units for the whole of the forward kernel's sche
 products take the MXU's default precision, as XLA's float32 products there do: operands rounded to
 bfloat16, sums in float32.
 
+The vector unit's own work (z, and backward the cotangent of a through z) is written one query at a
+time: whole-tile expressions made the compiler hold each head's [BQ, d, BK] product in VMEM, and the
+stores of those spills bound the backward kernel; per query, a product is a few vregs that the
+compiler keeps in registers (the schedule: backward 21,130 bundles a tile to 19,162, forward 6,215 to
+5,997; grouping 2, 4 or 8 queries does worse). The products that contract per key (z, Σ_d dz v_h,
+dv) stay on the vector unit: batched over keys, the MXU computes z in a third of the vector unit's
+bundles, but key-major, and the transposes to and from the per-query products' layout cost more than
+that (docs/compile_table.md).
+
 The backward pass is one kernel that walks query blocks for each key block, recomputes each tile, and
 accumulates dk and dv on chip; each tile's share of dq goes to a partial per key block (float32, summed
 by XLA), since two kernels in flash attention's split would each redo the tile's vector work, most of
@@ -128,7 +137,7 @@ def _tile(static: _Static, q0, k0, q_hqd, k_ref, vt_ref, segq_q1, segk_1k):
   a_1hqk, normalize_pullback = jax.vjp(
       lambda s: core.normalize(s, mask_11qk, normalization=static.knobs.normalization), s_1hqk)
   vt_hdk = vt_ref[0].astype(jnp.float32)
-  z_qdk = _sum_heads([a_1hqk[0, h][:, None, :] * vt_hdk[h][None] for h in range(H)])
+  z_qdk = jnp.stack([_sum_heads([a_1hqk[0, h, q][None] * vt_hdk[h] for h in range(H)]) for q in range(bq)])
   return mask_11qk, normalize_pullback, a_1hqk, vt_hdk, z_qdk
 
 
@@ -144,8 +153,8 @@ def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, 
   a_qhk = jnp.swapaxes(a_1hqk[0], 0, 1)
   dz_qdk = phi_pullback(_per_query(g_qhd, a_qhk, 1, 1))[0]
   # a_h's cotangent: through the output (Σ_d g_h · φ(z)) and through z (Σ_d dz · v_h).
-  da_1hqk = (jnp.swapaxes(_per_query(g_qhd, p_qdk, 2, 1), 0, 1) +
-             jnp.stack([(dz_qdk * vt_hdk[h][None]).sum(1) for h in range(H)]))[None]
+  da_z_hqk = jnp.stack([jnp.stack([(dz_q * vt_hdk[h]).sum(0) for dz_q in dz_qdk]) for h in range(H)])
+  da_1hqk = (jnp.swapaxes(_per_query(g_qhd, p_qdk, 2, 1), 0, 1) + da_z_hqk)[None]
   ds_1hqk = normalize_pullback(da_1hqk)[0]
   if mask_11qk is not None:
     ds_1hqk = jnp.where(mask_11qk, ds_1hqk, 0.0)
