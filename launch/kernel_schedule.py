@@ -25,9 +25,9 @@ _NUMBERS = re.compile(r"^\s*\d+(\s+\d+)+\s*$")
 def schedule(*, knobs: dict, rows: int, seq_len: int, heads: int, head_dim: int, dtype: str, causal: bool,
              topology: str) -> dict:
   """The chip's device_kind, and per kernel ("forward", "backward"): bundles per grid step, visible grid
-  steps, their product (cycles), each unit's slots per bundle and average use, and the most frequent operations; for the
-  forward and backward pass of the kernels over [rows, seq_len, heads, head_dim] on one chip of
-  `topology`."""
+  steps, their product (cycles), the FLOPs and HBM bytes the kernel declares to XLA's cost analysis,
+  each unit's slots per bundle and average use, and the most frequent operations; for the forward and
+  backward pass of the kernels over [rows, seq_len, heads, head_dim] on one chip of `topology`."""
   spec = dict(knobs=knobs, rows=rows, seq_len=seq_len, heads=heads, head_dim=head_dim, dtype=dtype,
               causal=causal, topology=topology)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,10 +92,14 @@ def _compile_and_read(spec: dict) -> dict:
 
     jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
     steps = spec["rows"] * kernels.visible_tiles(spec["seq_len"], spec["causal"])
+    costs = kernels.kernel_costs(knobs, spec["causal"],
+                                 (spec["rows"], spec["heads"], spec["seq_len"], spec["head_dim"]),
+                                 x.dtype.itemsize)
     out = {"device_kind": chip.device_kind}
     for name, kernel in (("forward", kernels.FORWARD), ("backward", kernels.BACKWARD)):
       n = bundles(dump, kernel)
-      out[name] = dict(bundles_per_step=n, visible_steps=steps, cycles=n * steps, units=units(dump, kernel),
+      out[name] = dict(bundles_per_step=n, visible_steps=steps, cycles=n * steps, flops=costs[kernel].flops,
+                       hbm_bytes=costs[kernel].bytes_accessed, units=units(dump, kernel),
                        operations=operations(dump, kernel))
     return out
 

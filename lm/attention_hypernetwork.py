@@ -261,18 +261,22 @@ def visible_tiles(T: int, causal: bool) -> int:
       for j in range(T // BLOCK_K))
 
 
-def _cost(static: _Static, shape, itemsize: int, *, products: int, outer_arrays: int,
-          inner_arrays: int) -> pl.CostEstimate:
-  """A kernel's work for XLA's scheduler: `products` multiply-adds of H x d per pair of every visible
-  tile, and its HBM traffic: `outer_arrays` [B, H, T, d] arrays read or written once, `inner_arrays`
-  read once per visible tile (BLOCK_Q = BLOCK_K rows of the other side)."""
+def kernel_costs(knobs: core.Knobs, causal: bool, shape, itemsize: int) -> dict[str, pl.CostEstimate]:
+  """Each kernel's work for q, k, v of `shape` [B, H, T, d], as XLA's cost analysis counts it: H x d
+  multiply-adds per pair of every visible tile and product (3 forward, 8 backward), and HBM traffic.
+  Forward: q and the output once, k and vᵀ once per visible tile; backward: k, vᵀ, dk and dvᵀ once, the
+  float32 dq partials of every key block once, q and g once per visible tile."""
   B, H, T, d = shape
-  tiles = visible_tiles(T, static.causal)
+  tiles = visible_tiles(T, causal)
   row = H * d * itemsize
-  return pl.CostEstimate(
-      flops=2 * B * tiles * BLOCK_Q * BLOCK_K * H * d * products,
-      transcendentals=B * tiles * BLOCK_Q * BLOCK_K * (static.knobs.normalization == "rms_head"),
-      bytes_accessed=B * row * (outer_arrays * T + inner_arrays * tiles * BLOCK_K))
+
+  def cost(products: int, outer_arrays: int, inner_arrays: int) -> pl.CostEstimate:
+    return pl.CostEstimate(
+        flops=2 * B * tiles * BLOCK_Q * BLOCK_K * H * d * products,
+        transcendentals=B * tiles * BLOCK_Q * BLOCK_K * (knobs.normalization == "rms_head"),
+        bytes_accessed=B * row * (outer_arrays * T + inner_arrays * tiles * BLOCK_K))
+
+  return {FORWARD: cost(3, 2, 2), BACKWARD: cost(8, 4 + 2 * (T // BLOCK_K), 2)}
 
 
 def _params(static: _Static):
@@ -304,8 +308,7 @@ def _core_fwd(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt):
       out_specs=pl.BlockSpec((1, H, BLOCK_Q, d), lambda b, i, j: (b, 0, i, 0)),
       out_shape=jax.ShapeDtypeStruct(q_bhtd.shape, q_bhtd.dtype),
       scratch_shapes=[pltpu.VMEM((BLOCK_Q, H, d), jnp.float32)],
-      cost_estimate=_cost(static, q_bhtd.shape, q_bhtd.dtype.itemsize, products=3, outer_arrays=2,
-                          inner_arrays=2),
+      cost_estimate=kernel_costs(static.knobs, static.causal, q_bhtd.shape, q_bhtd.dtype.itemsize)[FORWARD],
       name=FORWARD,
       **_params(static),
   )(q_bhtd, k_bhtd, vt_bhdt, *_segment_args(seg_bt))
@@ -336,8 +339,7 @@ def _core_bwd(static, residuals, g_bhtd):
       ],
       scratch_shapes=[pltpu.VMEM((H, BLOCK_K, d), jnp.float32),
                       pltpu.VMEM((H, d, BLOCK_K), jnp.float32)],
-      cost_estimate=_cost(static, q_bhtd.shape, q_bhtd.dtype.itemsize, products=8, outer_arrays=4 + 2 * nk,
-                          inner_arrays=2),
+      cost_estimate=kernel_costs(static.knobs, static.causal, q_bhtd.shape, q_bhtd.dtype.itemsize)[BACKWARD],
       name=BACKWARD,
       **_params(static),
   )(*args)

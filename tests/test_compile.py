@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 pytest.importorskip(
     "libtpu", reason="libtpu is not installed (pip install -e '.[tpu]'): "
@@ -55,20 +56,29 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
   assert r["argument_bytes"] + r["temp_bytes"] <= r["total_bytes"] < r["hbm_bytes"] == 16 * 2**30
   # The compiler and the model agree on the step's FLOPs within the attention core's share.
   assert 0.8 < r["compiler_flops"] / r["model_flops"] < 1.25
-  step = max(r["compiler_flops"], r["model_flops"]) / 197e12
-  # HYLA's Pallas kernels add their time as the compiler scheduled them (one layer, one row per chip:
-  # every causally visible tile of 512 tokens once); softmax runs none.
+  # HYLA's Pallas kernels add their time, each the longer of the compiler's schedule and its own HBM
+  # traffic (one layer, one row per chip: every causally visible tile of 512 tokens once), and leave
+  # the rest of the step's roofline; softmax runs none.
   assert r["clock_hz"] == 1.5e9
+  kernels = 0.0
   if preset == "hyla":
     (schedule,) = r["kernel_schedules"]
     assert schedule["layers"] == 1 and schedule["knobs"] == attention.preset("hyla")
-    for kernel in ("forward", "backward"):
+    declared = attention_hypernetwork.kernel_costs(attention.Knobs(**attention.preset("hyla")), True,
+                                                   (1, 8, 512, 64), 2)
+    for kernel, name in (("forward", attention_hypernetwork.FORWARD), ("backward",
+                                                                       attention_hypernetwork.BACKWARD)):
       assert schedule[kernel]["visible_steps"] == attention_hypernetwork.visible_tiles(512, True)
-    assert r["kernel_cycles"] == sum(schedule[k]["cycles"] for k in ("forward", "backward")) > 0
+      assert (schedule[kernel]["flops"], schedule[kernel]["hbm_bytes"]) == (declared[name].flops,
+                                                                            declared[name].bytes_accessed)
+      kernels += max(schedule[kernel]["cycles"] / 1.5e9, schedule[kernel]["hbm_bytes"] / 819e9)
+    for field in ("cycles", "flops", "hbm_bytes"):
+      assert r[f"kernel_{field}"] == sum(schedule[k][field] for k in ("forward", "backward")) > 0
   else:
-    assert r["kernel_schedules"] == [] and r["kernel_cycles"] == 0
+    assert r["kernel_schedules"] == [] and r["kernel_cycles"] == r["kernel_hbm_bytes"] == 0
+  step = (max(r["compiler_flops"], r["model_flops"]) - r["kernel_flops"]) / 197e12
   assert r["estimated_step_seconds"] == pytest.approx(
-      max(step, r["compiler_bytes"] / 819e9) + r["kernel_cycles"] / 1.5e9)
+      max(step, (r["compiler_bytes"] - r["kernel_hbm_bytes"]) / 819e9) + kernels)
   assert r["estimated_hours"] == pytest.approx(r["estimated_step_seconds"] * r["steps"] / 3600)
   assert r["tokens"] == r["steps"] * 16 * 512
 
@@ -78,7 +88,8 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
   assert "of 16.00 GiB HBM: fits" in text[6]
   assert text[12].startswith("estimates, not measurements")
   assert "; bound: " in text[13] and text[14].endswith("B tokens)")
-  assert ("ms of HYLA's Pallas kernels (the compiler's schedule" in text[13]) == (preset == "hyla")
+  assert ("ms of HYLA's Pallas kernels (each the longer of the compiler's schedule"
+          in text[13]) == (preset == "hyla")
   # The compiler's own estimate only when it is one: it is negative when some operation is untimed.
   for seconds, shown in ((-17.004, "unusable (-17.004 s: negative when"), (0.0123, "12.3 ms")):
     assert shown in compile_lib.format_report({**r, "optimal_seconds": seconds}).splitlines()[11]
@@ -144,6 +155,33 @@ def test_kernel_schedule_of_hyla_kernels():
     assert units["VALU"]["slots"] == 4 and 0 < units["VALU"]["used"] <= 4
     assert units["MXU"]["slots"] == 4 and units["MXU"]["used"] > 0
   assert not any("xlane" in op for op in one["forward"]["operations"])
+
+
+def test_the_compiler_counts_what_the_kernels_declare(monkeypatch):
+  """lm-compile takes the kernels' declared FLOPs and bytes out of the compiler's count before adding
+  the kernels' own time: that count holds them exactly once (here declaring twice the bytes adds the
+  declared bytes once more, and the FLOPs are the declared ones and little else)."""
+  knobs = attention.Knobs(**attention.preset("hyla"))
+  chip = jax.sharding.SingleDeviceSharding(compile_lib.topology_devices("v5e:2x2")[0])
+  x = jax.ShapeDtypeStruct((1, 256, 2, 64), jax.numpy.bfloat16, sharding=chip)
+
+  def cost():
+    out = lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(q, k, v, knobs=knobs)
+    f = jax.grad(lambda q, k, v: jax.numpy.square(out(q, k, v).astype(np.float32)).sum(), argnums=(0, 1, 2))
+    return jax.jit(f).lower(x, x, x).compile().cost_analysis()
+
+  declared = attention_hypernetwork.kernel_costs(knobs, True, (1, 2, 256, 64), 2).values()
+  once = cost()
+  # Beside the kernels, XLA's few element-wise operations (the loss, dq's partial sums).
+  assert 0 <= once["flops"] - sum(c.flops for c in declared) < 1e-3 * once["flops"]
+  kernel_costs = attention_hypernetwork.kernel_costs
+  monkeypatch.setattr(
+      attention_hypernetwork, "kernel_costs", lambda *a: {
+          name:
+              pl.CostEstimate(flops=c.flops, transcendentals=c.transcendentals, bytes_accessed=2 * c.
+                              bytes_accessed) for name, c in kernel_costs(*a).items()
+      })
+  assert cost()["bytes accessed"] - once["bytes accessed"] == sum(c.bytes_accessed for c in declared)
 
 
 def test_every_listed_topology_exists():
