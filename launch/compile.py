@@ -153,8 +153,8 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
 
 def roofline(r: dict, step_bytes: float) -> tuple[float, float]:
   """A report's step time bounds in seconds, (compute, HBM traffic), for `step_bytes` per chip."""
-  # The compiler counts a Pallas kernel's FLOPs as its cost estimate declares them (splash's may not
-  # cover its work); the model count never misses the attention.
+  # The compiler counts a Pallas kernel's FLOPs only as its cost estimate declares them (splash declares
+  # none); the model count never misses the attention.
   return max(r["compiler_flops"], r["model_flops"]) / r["peak_flops"], step_bytes / r["hbm_bytes_per_second"]
 
 
