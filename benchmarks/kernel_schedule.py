@@ -1,12 +1,14 @@
-"""The compiler's own schedule of HYLA's Pallas TPU kernels, as a table: bundles per grid step and the
-units that fill them (launch/kernel_schedule.py reads them from libtpu's LLO dumps).
+"""The compiler's own schedule of the attention's Pallas TPU kernels (HYLA's, or with --impl=splash
+softmax's), as a table: bundles per grid step and the units that fill them (launch/kernel_schedule.py
+reads them from libtpu's LLO dumps).
 
-    python benchmarks/kernel_schedule.py [--rows=16 --seq_len=512 --heads=8 --head_dim=64] [--json=FILE]
+    python benchmarks/kernel_schedule.py [--impl=splash --preset=softmax] [--rows=16 --seq_len=512
+        --heads=8 --head_dim=64] [--json=FILE]
 
 Defaults: one v5e chip's share of configs/c4_50m.py (256 rows over 16 chips, 512 tokens, 8 heads of 64,
 bfloat16). The time is bundles x visible grid steps at the chip's clock (lm-compile's table of chips),
-with no stall: an estimate
-from the compiler's schedule, not a measurement. What lm-compile adds to a HYLA step for the kernels.
+with no stall: an estimate from the compiler's schedule, not a measurement. What lm-compile adds to a
+step for each layer's kernels.
 """
 
 import json
@@ -21,7 +23,12 @@ flags.DEFINE_integer("rows", 16, "Rows (sequences) on the chip.")
 flags.DEFINE_integer("seq_len", 512, "Tokens per row.")
 flags.DEFINE_integer("heads", 8, "Attention heads.")
 flags.DEFINE_integer("head_dim", 64, "Width of a head.")
-flags.DEFINE_string("preset", "hyla", "An attention preset the kernels run (hyla, hyla_no_rms_head, ...).")
+flags.DEFINE_enum(
+    "impl", "pallas_hypernetwork", kernel_schedule.TIMED, "The attention implementation whose "
+    "kernels to compile: HYLA's (pallas_hypernetwork) or softmax's splash kernels (splash).")
+flags.DEFINE_string(
+    "preset", "hyla", "An attention preset the kernels run (hyla, hyla_no_rms_head, ...; "
+    "softmax for splash).")
 flags.DEFINE_bool("causal", True, "Causal attention.")
 flags.DEFINE_string("dtype", "bfloat16", "q, k, v dtype.")
 flags.DEFINE_string("topology", "v5e:4x4", "TPU topology; the kernels are compiled for its first chip.")
@@ -30,12 +37,12 @@ flags.DEFINE_string("json", "", "Also write the result here.")
 
 def main(argv):
   del argv
-  r = kernel_schedule.schedule(knobs=attention.preset(FLAGS.preset), rows=FLAGS.rows, seq_len=FLAGS.seq_len,
-                               heads=FLAGS.heads, head_dim=FLAGS.head_dim, dtype=FLAGS.dtype,
-                               causal=FLAGS.causal, topology=FLAGS.topology)
+  r = kernel_schedule.schedule(impl=FLAGS.impl, knobs=attention.preset(FLAGS.preset), rows=FLAGS.rows,
+                               seq_len=FLAGS.seq_len, heads=FLAGS.heads, head_dim=FLAGS.head_dim,
+                               dtype=FLAGS.dtype, causal=FLAGS.causal, topology=FLAGS.topology)
   clock_ghz = topology.CHIPS[r["device_kind"]].clock_hz / 1e9
   print(
-      f"{FLAGS.preset}'s Pallas kernels compiled for one chip of {FLAGS.topology}: {FLAGS.rows} rows x "
+      f"{FLAGS.preset}'s {FLAGS.impl} kernels compiled for one chip of {FLAGS.topology}: {FLAGS.rows} rows x "
       f"{FLAGS.seq_len} tokens, {FLAGS.heads} heads of {FLAGS.head_dim}, {FLAGS.dtype}, causal={FLAGS.causal}"
   )
   print("| kernel | bundles per grid step | visible grid steps | ms per layer (estimate: bundles x steps at "
@@ -58,8 +65,8 @@ def main(argv):
       json.dump(
           dict(
               settings={
-                  f: FLAGS[f].value
-                  for f in ("rows", "seq_len", "heads", "head_dim", "preset", "causal", "dtype", "topology")
+                  f: FLAGS[f].value for f in ("impl", "rows", "seq_len", "heads", "head_dim", "preset",
+                                              "causal", "dtype", "topology")
               }, **r), f, indent=1)
 
 

@@ -34,23 +34,27 @@ def argument_bytes(exp: Experiment) -> int:
 
 
 def kernel_schedules(exp: Experiment, topology: str) -> list[dict]:
-  """HYLA's Pallas kernels (lm/attention_hypernetwork.py) as the compiler scheduled them for one chip,
-  once per layer that runs them: the compiler's cost analysis gives them no time."""
+  """The attention's Pallas kernels (kernel_schedule.TIMED) as the compiler scheduled them for one chip,
+  once per kind of layer that runs them: the compiler's cost analysis gives them no time."""
   cfg, T = exp.model_cfg, exp.task.seq_len
   # Rows are split over the batch axes only: the kernels take every head on every chip.
   rows = exp.config.train.batch_size // math.prod(exp.mesh.shape[a] for a in sharding.BATCH)
+  impls = [cfg.layer_impl(layer, T, "tpu") for layer in range(cfg.L)]
+  untimed = sorted(
+      {impl for impl in impls if impl in kernel_schedule.PALLAS and impl not in kernel_schedule.TIMED})
+  if untimed:
+    raise RuntimeError(f"no schedule for the {', '.join(untimed)} kernels")
   layers = collections.Counter(
-      cfg.layer_knobs(layer)
-      for layer in range(cfg.L)
-      if cfg.layer_impl(layer, T, "tpu") == "pallas_hypernetwork")
+      (impl, cfg.layer_knobs(layer)) for layer, impl in enumerate(impls) if impl in kernel_schedule.TIMED)
   schedules = []
-  for knobs, n in layers.items():
+  for (impl, knobs), n in layers.items():
     spec = dataclasses.asdict(knobs)
     schedules.append(
         dict(
-            layers=n, knobs=spec,
-            **kernel_schedule.schedule(knobs=spec, rows=rows, seq_len=T, heads=cfg.H, head_dim=cfg.K,
-                                       dtype=cfg.dtype, causal=cfg.causal, topology=topology)))
+            impl=impl, layers=n, knobs=spec,
+            **kernel_schedule.schedule(impl=impl, knobs=spec, rows=rows, seq_len=T, heads=cfg.H,
+                                       head_dim=cfg.K, dtype=cfg.dtype, causal=cfg.causal,
+                                       topology=topology)))
   return schedules
 
 
@@ -60,8 +64,8 @@ def kernel_total(schedules: list[dict], field: str) -> float:
 
 
 def kernel_seconds(schedules: list[dict], chip) -> float:
-  """The kernels' time: each the longer of its schedule and its own HBM traffic (Pallas fetches the
-  next tile's blocks while the current one computes)."""
+  """The kernels' time: each the longer of its schedule and the HBM traffic it declares (Pallas fetches
+  the next grid step's blocks while a step computes)."""
   return sum(s["layers"] * max(s[k]["cycles"] / chip.clock_hz, s[k]["hbm_bytes"] / chip.hbm_bytes_per_second)
              for s in schedules
              for k in ("forward", "backward"))
@@ -146,7 +150,7 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
   bound = "compute" if compute >= memory_time else "HBM bandwidth"
   out.update(
       estimated_step_seconds=max(compute, memory_time) + kernel_seconds(schedules, chip),
-      bound=bound + " + HYLA's kernels" * bool(schedules) + " (HYLA's kernels untimed)" * bool(untimed))
+      bound=bound + " + attention kernels" * bool(schedules) + " (attention kernels untimed)" * bool(untimed))
   out["estimated_hours"] = out["estimated_step_seconds"] * config.train.steps / 3600
   return out
 
@@ -196,14 +200,14 @@ def format_report(r: dict) -> str:
       "estimates, not measurements (docs/compile.md says how far to trust them):",
       f"  step time   {r['estimated_step_seconds'] * 1e3:.1f} ms = max(FLOPs / "
       f"{r['peak_flops'] / 1e12:.0f} TFLOP/s, bytes / {r['hbm_bytes_per_second'] / 1e9:.0f} GB/s)" +
-      (f" of the rest + {kernel_ms:.1f} ms of HYLA's Pallas kernels (each the longer of the compiler's "
+      (f" of the rest + {kernel_ms:.1f} ms of the attention's Pallas kernels (each the longer of the compiler's "
        f"schedule, {r['kernel_cycles']:.3e} bundles in all at {r['clock_hz'] / 1e9:.2f} GHz with no stalls, "
-       f"and its own HBM traffic, {r['kernel_hbm_bytes'] / 1e9:.2f} GB in all)" if kernel_ms else "") +
-      f"; bound: {r['bound']}",
+       f"and the HBM traffic it declares, {r['kernel_hbm_bytes'] / 1e9:.2f} GB in all)" if kernel_ms else "")
+      + f"; bound: {r['bound']}",
       f"  run time    {r['estimated_hours']:.1f} h for {r['steps']:,} steps ({r['tokens'] / 1e9:.1f}B tokens)"
   ]
   if r["kernels_untimed"]:
-    lines.append(f"  HYLA's Pallas kernels are not in the step time: {r['kernels_untimed']}")
+    lines.append(f"  the attention's Pallas kernels are not in the step time: {r['kernels_untimed']}")
   if r["microbatches"] > 1:  # XLA's cost analysis counts a loop's body once, whatever its trip count.
     lines.append(f"  the compiler's FLOPs and bytes cover 1 of the {r['microbatches']} microbatches")
   if "xla_disable_hlo_passes" in r["compiler_options"]:

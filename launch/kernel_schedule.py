@@ -1,16 +1,19 @@
-"""HYLA's Pallas kernels as the TPU compiler scheduled them, read from libtpu's LLO dumps.
+"""The attention's Pallas kernels (HYLA's, and softmax's splash kernels) as the TPU compiler scheduled
+them, read from libtpu's LLO dumps.
 
 The compiler's cost analysis reports no time for a Pallas kernel (a custom call). But libtpu can write
 what it compiled each kernel to: a TPU core issues one VLIW bundle per cycle, and the listing says how
 many bundles a grid step's program holds and which units (MXU, cross-lane XLU, vector ALUs, loads,
-stores) each bundle fills. Bundles x visible grid steps is then the kernel's cycles as scheduled, with
-no stall: DMA waits and latencies the schedule does not hide come on top.
+stores) each bundle fills. Bundles x visible grid steps (those that compute a block with a visible
+key; the others run only their control code) is then the kernel's cycles as scheduled, with no stall:
+DMA waits and latencies the schedule does not hide come on top.
 
 libtpu reads its dump flags once, when it loads, so `schedule` compiles in a child process
 (`python -m launch.kernel_schedule SPEC`), which prints the result as JSON.
 """
 
 import collections
+import functools
 import glob
 import json
 import os
@@ -20,15 +23,21 @@ import sys
 import tempfile
 
 _NUMBERS = re.compile(r"^\s*\d+(\s+\d+)+\s*$")
+# lm/attention.py's implementations that run Pallas kernels on TPU, and those whose kernels this times
+# (not flash attention's, which softmax runs only with a position bias).
+PALLAS = ("pallas_hypernetwork", "splash", "pallas")
+TIMED = PALLAS[:2]
 
 
-def schedule(*, knobs: dict, rows: int, seq_len: int, heads: int, head_dim: int, dtype: str, causal: bool,
-             topology: str) -> dict:
+def schedule(*, impl: str, knobs: dict, rows: int, seq_len: int, heads: int, head_dim: int, dtype: str,
+             causal: bool, topology: str) -> dict:
   """The chip's device_kind, and per kernel ("forward", "backward"): bundles per grid step, visible grid
   steps, their product (cycles), the FLOPs and HBM bytes the kernel declares to XLA's cost analysis,
   each unit's slots per bundle and average use, and the most frequent operations; for the forward and
   backward pass of the kernels over [rows, seq_len, heads, head_dim] on one chip of `topology`."""
-  spec = dict(knobs=knobs, rows=rows, seq_len=seq_len, heads=heads, head_dim=head_dim, dtype=dtype,
+  if impl not in TIMED:
+    raise ValueError(f"no schedule for attention implementation {impl!r}; timed: {', '.join(TIMED)}")
+  spec = dict(impl=impl, knobs=knobs, rows=rows, seq_len=seq_len, heads=heads, head_dim=head_dim, dtype=dtype,
               causal=causal, topology=topology)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run([sys.executable, "-m", "launch.kernel_schedule",
@@ -36,7 +45,7 @@ def schedule(*, knobs: dict, rows: int, seq_len: int, heads: int, head_dim: int,
                                **os.environ, "JAX_PLATFORMS": "cpu"
                            })
   if result.returncode:
-    raise RuntimeError(f"compiling HYLA's kernels for {topology} failed:\n{result.stderr[-3000:]}")
+    raise RuntimeError(f"compiling the {impl} kernels for {topology} failed:\n{result.stderr[-3000:]}")
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -70,6 +79,23 @@ def operations(dump: str, kernel: str) -> dict[str, int]:
   return dict(collections.Counter(re.findall(r"= ([a-z][a-z0-9_.]+)", text)).most_common())
 
 
+def _kernels(spec: dict, itemsize: int):
+  """For the attention implementation spec["impl"]: its attend function, its kernels' names (forward,
+  backward), the grid steps each computes, and the FLOPs and HBM bytes each declares to XLA's cost
+  analysis (none for the library's splash kernels)."""
+  from lm import attention_core, attention_hypernetwork as hyper, attention_softmax as softmax
+
+  rows, T, H, causal = spec["rows"], spec["seq_len"], spec["heads"], spec["causal"]
+  if spec["impl"] == "splash":
+    attend = functools.partial(softmax.attend_splash, causal=causal)
+    return attend, (softmax.SPLASH_FORWARD,
+                    softmax.SPLASH_BACKWARD), rows * H * softmax.splash_visible_blocks(T, causal), {}
+  knobs = attention_core.Knobs(**spec["knobs"])
+  attend = functools.partial(hyper.attend_pallas_hypernetwork, knobs=knobs, causal=causal)
+  declared = hyper.kernel_costs(knobs, causal, (rows, H, T, spec["head_dim"]), itemsize)
+  return attend, (hyper.FORWARD, hyper.BACKWARD), rows * hyper.visible_tiles(T, causal), declared
+
+
 def _compile_and_read(spec: dict) -> dict:
   with tempfile.TemporaryDirectory() as dump:
     os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
@@ -79,28 +105,23 @@ def _compile_and_read(spec: dict) -> dict:
     from jax.sharding import SingleDeviceSharding
 
     from launch import topology
-    from lm import attention_core, attention_hypernetwork as kernels
 
     chip = topology.topology_devices(spec["topology"])[0]
-    knobs = attention_core.Knobs(**spec["knobs"])
     x = jax.ShapeDtypeStruct((spec["rows"], spec["seq_len"], spec["heads"], spec["head_dim"]),
                              jnp.dtype(spec["dtype"]), sharding=SingleDeviceSharding(chip))
+    attend, names, steps, declared = _kernels(spec, x.dtype.itemsize)
 
-    def loss(q, k, v):
-      out = kernels.attend_pallas_hypernetwork(q, k, v, knobs=knobs, causal=spec["causal"])
-      return jnp.square(out.astype(jnp.float32)).sum()  # uses the output, so the forward kernel stays
+    def loss(q, k, v):  # uses the output, so the forward kernel stays
+      return jnp.square(attend(q, k, v).astype(jnp.float32)).sum()
 
     jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
-    steps = spec["rows"] * kernels.visible_tiles(spec["seq_len"], spec["causal"])
-    costs = kernels.kernel_costs(knobs, spec["causal"],
-                                 (spec["rows"], spec["heads"], spec["seq_len"], spec["head_dim"]),
-                                 x.dtype.itemsize)
     out = {"device_kind": chip.device_kind}
-    for name, kernel in (("forward", kernels.FORWARD), ("backward", kernels.BACKWARD)):
+    for name, kernel in zip(("forward", "backward"), names):
       n = bundles(dump, kernel)
-      out[name] = dict(bundles_per_step=n, visible_steps=steps, cycles=n * steps, flops=costs[kernel].flops,
-                       hbm_bytes=costs[kernel].bytes_accessed, units=units(dump, kernel),
-                       operations=operations(dump, kernel))
+      cost = declared.get(kernel)
+      out[name] = dict(kernel=kernel, bundles_per_step=n, visible_steps=steps, cycles=n * steps,
+                       flops=cost.flops if cost else 0, hbm_bytes=cost.bytes_accessed if cost else 0,
+                       units=units(dump, kernel), operations=operations(dump, kernel))
     return out
 
 

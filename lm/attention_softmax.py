@@ -21,6 +21,8 @@ from lm import attention_core as core
 
 PALLAS_BLOCK = 128
 SPLASH_MAX_BLOCK = 512
+# The prefixes of the splash kernels' names (the library's), as the TPU compiler's dumps carry them.
+SPLASH_FORWARD, SPLASH_BACKWARD = "splash_mha_fwd", "splash_mha_dkv"
 
 
 def _bias_4d(bias: jax.Array | None) -> jax.Array | None:
@@ -56,10 +58,22 @@ def attend_splash(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = Tr
   return core.per_device(local, q, k, v, segment_ids, None, batch_axes)
 
 
+def splash_block(T: int) -> int:
+  """The splash kernels' square blocks for length T: the largest of 512, 256, 128 that divides it."""
+  return next(b for b in (SPLASH_MAX_BLOCK, 256, PALLAS_BLOCK) if T % b == 0)
+
+
+def splash_visible_blocks(T: int, causal: bool) -> int:
+  """How many (query block, key block) pairs of one head and row the splash kernels compute: those
+  with a visible key (the rest of the grid's steps skip their work)."""
+  n = T // splash_block(T)
+  return n * (n + 1) // 2 if causal else n * n
+
+
 def _splash_kernel(T: int, H: int, causal: bool, interpret: bool):
   # Made afresh in every trace: the kernel holds arrays of its mask's block structure, and a kernel
   # cached across traces would carry one trace's values into another.
-  block = next(b for b in (SPLASH_MAX_BLOCK, 256, PALLAS_BLOCK) if T % b == 0)
+  block = splash_block(T)
   mask = splash_mask.MultiHeadMask([(splash_mask.CausalMask if causal else splash_mask.FullMask)((T, T))] * H)
   blocks = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                              block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)

@@ -25,7 +25,7 @@ from small import small_config  # noqa: E402
 from configs import c4_50m, sraven, tiny  # noqa: E402
 from data_pipelines import pipeline  # noqa: E402
 from launch import compile as compile_lib, kernel_schedule, topology  # noqa: E402
-from lm import attention, attention_hypernetwork  # noqa: E402
+from lm import attention, attention_hypernetwork, attention_softmax  # noqa: E402
 from lm.experiment import Experiment, microbatch_compiler_options  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,26 +56,32 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
   assert r["argument_bytes"] + r["temp_bytes"] <= r["total_bytes"] < r["hbm_bytes"] == 16 * 2**30
   # The compiler and the model agree on the step's FLOPs within the attention core's share.
   assert 0.8 < r["compiler_flops"] / r["model_flops"] < 1.25
-  # HYLA's Pallas kernels add their time, each the longer of the compiler's schedule and its own HBM
-  # traffic (one layer, one row per chip: every causally visible tile of 512 tokens once), and leave
-  # the rest of the step's roofline; softmax runs none.
+  # The attention's Pallas kernels add their time, each the longer of the compiler's schedule and its
+  # own HBM traffic, and what they declare leaves the rest of the step's roofline: HYLA's (one layer,
+  # one row per chip: every causally visible tile of 512 tokens once), or softmax's splash kernels (one
+  # block of 512 per head, 8 heads), which declare nothing.
   assert r["clock_hz"] == 1.5e9
-  kernels = 0.0
+  (schedule,) = r["kernel_schedules"]
+  assert schedule["layers"] == 1 and schedule["knobs"] == attention.preset(preset)
+  knobs = attention.Knobs(**attention.preset(preset))
   if preset == "hyla":
-    (schedule,) = r["kernel_schedules"]
-    assert schedule["layers"] == 1 and schedule["knobs"] == attention.preset("hyla")
-    declared = attention_hypernetwork.kernel_costs(attention.Knobs(**attention.preset("hyla")), True,
-                                                   (1, 8, 512, 64), 2)
-    for kernel, name in (("forward", attention_hypernetwork.FORWARD), ("backward",
-                                                                       attention_hypernetwork.BACKWARD)):
-      assert schedule[kernel]["visible_steps"] == attention_hypernetwork.visible_tiles(512, True)
-      assert (schedule[kernel]["flops"], schedule[kernel]["hbm_bytes"]) == (declared[name].flops,
-                                                                            declared[name].bytes_accessed)
-      kernels += max(schedule[kernel]["cycles"] / 1.5e9, schedule[kernel]["hbm_bytes"] / 819e9)
-    for field in ("cycles", "flops", "hbm_bytes"):
-      assert r[f"kernel_{field}"] == sum(schedule[k][field] for k in ("forward", "backward")) > 0
+    assert schedule["impl"] == "pallas_hypernetwork"
+    names = (attention_hypernetwork.FORWARD, attention_hypernetwork.BACKWARD)
+    steps = attention_hypernetwork.visible_tiles(512, True)
+    declared = attention_hypernetwork.kernel_costs(knobs, True, (1, 8, 512, 64), 2)
+    declared = {n: (declared[n].flops, declared[n].bytes_accessed) for n in names}
   else:
-    assert r["kernel_schedules"] == [] and r["kernel_cycles"] == r["kernel_hbm_bytes"] == 0
+    assert schedule["impl"] == "splash"
+    names = (attention_softmax.SPLASH_FORWARD, attention_softmax.SPLASH_BACKWARD)
+    steps, declared = 8, dict.fromkeys(names, (0, 0))
+  kernels = 0.0
+  for kernel, name in zip(("forward", "backward"), names):
+    k = schedule[kernel]
+    assert k["kernel"] == name and k["visible_steps"] == steps and k["bundles_per_step"] > 1000
+    assert (k["flops"], k["hbm_bytes"]) == declared[name]
+    kernels += max(k["cycles"] / 1.5e9, k["hbm_bytes"] / 819e9)
+  for field in ("cycles", "flops", "hbm_bytes"):
+    assert r[f"kernel_{field}"] == sum(schedule[k][field] for k in ("forward", "backward"))
   step = (max(r["compiler_flops"], r["model_flops"]) - r["kernel_flops"]) / 197e12
   assert r["estimated_step_seconds"] == pytest.approx(
       max(step, (r["compiler_bytes"] - r["kernel_hbm_bytes"]) / 819e9) + kernels)
@@ -88,31 +94,36 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
   assert "of 16.00 GiB HBM: fits" in text[6]
   assert text[12].startswith("estimates, not measurements")
   assert "; bound: " in text[13] and text[14].endswith("B tokens)")
-  assert ("ms of HYLA's Pallas kernels (each the longer of the compiler's schedule"
-          in text[13]) == (preset == "hyla")
+  assert "ms of the attention's Pallas kernels (each the longer of the compiler's schedule" in text[13]
   # The compiler's own estimate only when it is one: it is negative when some operation is untimed.
   for seconds, shown in ((-17.004, "unusable (-17.004 s: negative when"), (0.0123, "12.3 ms")):
     assert shown in compile_lib.format_report({**r, "optimal_seconds": seconds}).splitlines()[11]
 
 
-def test_kernels_the_compiler_cannot_schedule_leave_the_rest_of_the_report(monkeypatch):
-  """When HYLA's kernels cannot be timed (here: the dump reader fails), lm-compile still reports memory,
-  FLOPs and the roofline, and says the kernels are missing from the step time."""
-
-  def fail(**_):
-    raise RuntimeError(
-        "compiling HYLA's kernels for v5e:4x4 failed:\nFileNotFoundError: libtpu wrote no dump")
-
-  monkeypatch.setattr(compile_lib.kernel_schedule, "schedule", fail)
+@pytest.mark.parametrize("case", ["dumps unreadable", "flash attention"])
+def test_kernels_the_compiler_cannot_schedule_leave_the_rest_of_the_report(case, monkeypatch):
+  """When the attention's kernels cannot be timed (HYLA's, when the dump reader fails; flash attention's,
+  which softmax runs with a position bias and which have no schedule reader), lm-compile still reports
+  memory, FLOPs and the roofline, and says the kernels are missing from the step time."""
   config = c4_50m.get_config()
   config.model.update(L=1, attention="hyla")
   config.train.batch_size = 16
+  reason = "no schedule for the pallas kernels"
+  if case == "dumps unreadable":
+    reason = "FileNotFoundError: libtpu wrote no dump"
+
+    def fail(**_):
+      raise RuntimeError(f"compiling the pallas_hypernetwork kernels for v5e:4x4 failed:\n{reason}")
+
+    monkeypatch.setattr(compile_lib.kernel_schedule, "schedule", fail)
+  else:
+    config.model.update(attention="softmax", positions="relative_bias")
   r = compile_lib.report(config, "v5e:4x4")
   assert r["fits"] and r["kernel_cycles"] == 0 and r["kernel_schedules"] == []
-  assert r["kernels_untimed"] == "FileNotFoundError: libtpu wrote no dump"
-  assert r["bound"] == "HBM bandwidth (HYLA's kernels untimed)"
+  assert r["kernels_untimed"] == reason
+  assert r["bound"] == "HBM bandwidth (attention kernels untimed)"
   assert r["estimated_step_seconds"] == pytest.approx(r["compiler_bytes"] / 819e9)
-  assert ("  HYLA's Pallas kernels are not in the step time: FileNotFoundError: libtpu wrote no dump"
+  assert (f"  the attention's Pallas kernels are not in the step time: {reason}"
           in compile_lib.format_report(r).splitlines())
 
 
@@ -143,8 +154,9 @@ def test_kernel_schedule_of_hyla_kernels():
   bundles hardly depend on the rows (only the grid's index arithmetic does), the visible steps grow
   with them; the products batched over queries are on the MXU, and the forward kernel reduces nothing
   across lanes."""
-  run = lambda rows: kernel_schedule.schedule(knobs=attention.preset("hyla"), rows=rows, seq_len=256, heads=8,
-                                              head_dim=64, dtype="bfloat16", causal=True, topology="v5e:2x2")
+  run = lambda rows: kernel_schedule.schedule(impl="pallas_hypernetwork", knobs=attention.preset(
+      "hyla"), rows=rows, seq_len=256, heads=8, head_dim=64, dtype="bfloat16", causal=True, topology="v5e:2x2"
+                                             )
   one, two = run(1), run(2)
   for kernel in ("forward", "backward"):
     assert one[kernel]["bundles_per_step"] == pytest.approx(two[kernel]["bundles_per_step"], rel=0.05)
@@ -182,6 +194,23 @@ def test_the_compiler_counts_what_the_kernels_declare(monkeypatch):
                               bytes_accessed) for name, c in kernel_costs(*a).items()
       })
   assert cost()["bytes accessed"] - once["bytes accessed"] == sum(c.bytes_accessed for c in declared)
+
+
+def test_kernel_schedule_of_splash_kernels():
+  """Softmax's splash kernels, timed the same way: at 1,024 tokens in blocks of 512, each head and row
+  computes 3 of the 4 block pairs causally (the fourth grid step skips its work)."""
+  r = kernel_schedule.schedule(impl="splash", knobs=attention.preset("softmax"), rows=2, seq_len=1024,
+                               heads=8, head_dim=64, dtype="bfloat16", causal=True, topology="v5e:2x2")
+  assert attention_softmax.splash_block(1024) == 512
+  for kernel, name in (("forward", attention_softmax.SPLASH_FORWARD), ("backward",
+                                                                       attention_softmax.SPLASH_BACKWARD)):
+    k = r[kernel]
+    assert k["kernel"] == name and k["visible_steps"] == 2 * 8 * 3
+    assert k["bundles_per_step"] > 500 and k["cycles"] == k["bundles_per_step"] * k["visible_steps"]
+    assert k["units"]["MXU"]["used"] > 0 and (k["flops"], k["hbm_bytes"]) == (0, 0)
+  with pytest.raises(ValueError, match="no schedule for attention implementation 'pallas'"):
+    kernel_schedule.schedule(impl="pallas", knobs=attention.preset("softmax"), rows=1, seq_len=512, heads=8,
+                             head_dim=64, dtype="bfloat16", causal=True, topology="v5e:2x2")
 
 
 def test_every_listed_topology_exists():
