@@ -23,7 +23,8 @@ flags.DEFINE_list(
     "attentions", ["softmax", "linear", "hyla", "hyla+hyla+softmax"],
     "Attention presets; + joins a hybrid's per-layer presets (model.attention=hyla,hyla,softmax).")
 flags.DEFINE_list("contexts", ["512", "1024"], "Sequence lengths.")
-flags.DEFINE_string("out", "", "Write the markdown table here too.")
+flags.DEFINE_string("out", "", "Write the markdown table here too, keeping whatever the file holds below "
+                    "its table.")
 
 TOKENS_PER_STEP = 256 * 512  # the paper's batch at context 512
 
@@ -50,6 +51,17 @@ def row(r: dict) -> str:
           f"{r['estimated_hours']:.1f} h | {r['compile_seconds']:.0f} |")
 
 
+def _below_the_table(path: str) -> str:
+  """What an earlier --out file holds after its table (the analysis written beside the numbers)."""
+  try:
+    lines = open(path).read().splitlines(keepends=True)
+  except FileNotFoundError:
+    return ""
+  start = next((i for i, line in enumerate(lines) if line.startswith("| attention |")), len(lines))
+  end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+  return "".join(lines[end:])
+
+
 def main(argv):
   del argv
   header = ("| attention | context | rows per step | memory per chip: total (arguments + temporaries) "
@@ -65,6 +77,7 @@ def main(argv):
       print(rows[-1], flush=True)
   if FLAGS.out:
     chips = f"{r['chips']} chips of {r['device_kind']} with {r['hbm_bytes'] / compile_lib.GiB:.0f} GiB HBM each"
+    below = _below_the_table(FLAGS.out)
     with open(FLAGS.out, "w") as f:
       f.write(f"# lm-compile on {FLAGS.topology}: configs/c4_50m.py by attention and context\n\n"
               f"The full c4_50m train step ({r['num_params']:,} parameters, bfloat16 compute, float32 "
@@ -74,11 +87,12 @@ def main(argv):
               f"{r['steps']:,} steps). Memory and FLOPs are the compiler's, per chip; the model's FLOPs "
               "are 6 per parameter and token plus the attention core (lm/flops.py). **Step and run "
               "times are estimates, not measurements**: max(FLOPs / peak, HBM bytes / bandwidth) per "
-              "chip, with the larger of the two FLOP counts; docs/compile.md says how far to trust "
+              "chip, with the larger of the two FLOP counts, plus the attention's Pallas kernels as the "
+              "TPU compiler scheduled them; docs/compile.md says how far to trust "
               f"them. Made in {time.perf_counter() - start:.0f} s by\n\n"
               f"    python benchmarks/compile_table.py --topology={FLAGS.topology} "
               f"--attentions={','.join(FLAGS.attentions)} --contexts={','.join(FLAGS.contexts)} "
-              f"--out={FLAGS.out}\n\n{header}\n" + "\n".join(rows) + "\n")
+              f"--out={FLAGS.out}\n\n{header}\n" + "\n".join(rows) + "\n" + below)
 
 
 if __name__ == "__main__":
