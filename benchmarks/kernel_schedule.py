@@ -30,6 +30,7 @@ flags.DEFINE_string(
     "preset", "hyla", "An attention preset the kernels run (hyla, hyla_no_rms_head, ...; "
     "softmax for splash).")
 flags.DEFINE_bool("causal", True, "Causal attention.")
+flags.DEFINE_bool("segments", True, "Packed documents' segment ids (as configs/c4_50m.py's batches carry).")
 flags.DEFINE_string("dtype", "bfloat16", "q, k, v dtype.")
 flags.DEFINE_string("topology", "v5e:4x4", "TPU topology; the kernels are compiled for its first chip.")
 flags.DEFINE_string("json", "", "Also write the result here.")
@@ -39,12 +40,13 @@ def main(argv):
   del argv
   r = kernel_schedule.schedule(impl=FLAGS.impl, knobs=attention.preset(FLAGS.preset), rows=FLAGS.rows,
                                seq_len=FLAGS.seq_len, heads=FLAGS.heads, head_dim=FLAGS.head_dim,
-                               dtype=FLAGS.dtype, causal=FLAGS.causal, topology=FLAGS.topology)
+                               dtype=FLAGS.dtype, causal=FLAGS.causal, segments=FLAGS.segments,
+                               topology=FLAGS.topology)
   clock_ghz = topology.CHIPS[r["device_kind"]].clock_hz / 1e9
   print(
       f"{FLAGS.preset}'s {FLAGS.impl} kernels compiled for one chip of {FLAGS.topology}: {FLAGS.rows} rows x "
-      f"{FLAGS.seq_len} tokens, {FLAGS.heads} heads of {FLAGS.head_dim}, {FLAGS.dtype}, causal={FLAGS.causal}"
-  )
+      f"{FLAGS.seq_len} tokens, {FLAGS.heads} heads of {FLAGS.head_dim}, {FLAGS.dtype}, causal={FLAGS.causal}, "
+      f"segments={FLAGS.segments}")
   print("| kernel | bundles per grid step | visible grid steps | ms per layer (estimate: bundles x steps at "
         f"{clock_ghz} GHz, no stalls) | fullest units (slots used per bundle / slots) |")
   print("|---|---|---|---|---|")

@@ -47,13 +47,14 @@ def kernel_schedules(exp: Experiment, topology: str) -> list[dict]:
   layers = collections.Counter(
       (impl, cfg.layer_knobs(layer)) for layer, impl in enumerate(impls) if impl in kernel_schedule.TIMED)
   schedules = []
+  segments = "segment_ids" in exp.task.example()
   for (impl, knobs), n in layers.items():
     spec = dataclasses.asdict(knobs)
     schedules.append(
         dict(
-            impl=impl, layers=n, knobs=spec,
+            impl=impl, layers=n, knobs=spec, segments=segments,
             **kernel_schedule.schedule(impl=impl, knobs=spec, rows=rows, seq_len=T, heads=cfg.H,
-                                       head_dim=cfg.K, dtype=cfg.dtype, causal=cfg.causal,
+                                       head_dim=cfg.K, dtype=cfg.dtype, causal=cfg.causal, segments=segments,
                                        topology=topology)))
   return schedules
 

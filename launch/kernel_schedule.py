@@ -30,15 +30,16 @@ TIMED = PALLAS[:2]
 
 
 def schedule(*, impl: str, knobs: dict, rows: int, seq_len: int, heads: int, head_dim: int, dtype: str,
-             causal: bool, topology: str) -> dict:
+             causal: bool, segments: bool, topology: str) -> dict:
   """The chip's device_kind, and per kernel ("forward", "backward"): bundles per grid step, visible grid
   steps, their product (cycles), the FLOPs and HBM bytes the kernel declares to XLA's cost analysis,
   each unit's slots per bundle and average use, and the most frequent operations; for the forward and
-  backward pass of the kernels over [rows, seq_len, heads, head_dim] on one chip of `topology`."""
+  backward pass of the kernels over [rows, seq_len, heads, head_dim] on one chip of `topology`, with
+  packed documents' segment ids if `segments` (the kernels then mask by them too)."""
   if impl not in TIMED:
     raise ValueError(f"no schedule for attention implementation {impl!r}; timed: {', '.join(TIMED)}")
   spec = dict(impl=impl, knobs=knobs, rows=rows, seq_len=seq_len, heads=heads, head_dim=head_dim, dtype=dtype,
-              causal=causal, topology=topology)
+              causal=causal, segments=segments, topology=topology)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run([sys.executable, "-m", "launch.kernel_schedule",
                            json.dumps(spec)], cwd=root, capture_output=True, text=True, env={
@@ -107,14 +108,17 @@ def _compile_and_read(spec: dict) -> dict:
     from launch import topology
 
     chip = topology.topology_devices(spec["topology"])[0]
+    on_chip = SingleDeviceSharding(chip)
     x = jax.ShapeDtypeStruct((spec["rows"], spec["seq_len"], spec["heads"], spec["head_dim"]),
-                             jnp.dtype(spec["dtype"]), sharding=SingleDeviceSharding(chip))
+                             jnp.dtype(spec["dtype"]), sharding=on_chip)
+    seg = jax.ShapeDtypeStruct((spec["rows"], spec["seq_len"]), jnp.int32, sharding=on_chip)
     attend, names, steps, declared = _kernels(spec, x.dtype.itemsize)
 
-    def loss(q, k, v):  # uses the output, so the forward kernel stays
-      return jnp.square(attend(q, k, v).astype(jnp.float32)).sum()
+    def loss(q, k, v, segment_ids):  # uses the output, so the forward kernel stays
+      out = attend(q, k, v, segment_ids=segment_ids if spec["segments"] else None)
+      return jnp.square(out.astype(jnp.float32)).sum()
 
-    jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
+    jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg).compile()
     out = {"device_kind": chip.device_kind}
     for name, kernel in zip(("forward", "backward"), names):
       n = bundles(dump, kernel)

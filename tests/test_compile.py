@@ -62,7 +62,8 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
   # block of 512 per head, 8 heads), which declare nothing.
   assert r["clock_hz"] == 1.5e9
   (schedule,) = r["kernel_schedules"]
-  assert schedule["layers"] == 1 and schedule["knobs"] == attention.preset(preset)
+  # The step's batches pack documents, so the kernels are compiled masking by their segment ids.
+  assert schedule["layers"] == 1 and schedule["knobs"] == attention.preset(preset) and schedule["segments"]
   knobs = attention.Knobs(**attention.preset(preset))
   if preset == "hyla":
     assert schedule["impl"] == "pallas_hypernetwork"
@@ -155,8 +156,8 @@ def test_kernel_schedule_of_hyla_kernels():
   with them; the products batched over queries are on the MXU, and the forward kernel reduces nothing
   across lanes."""
   run = lambda rows: kernel_schedule.schedule(impl="pallas_hypernetwork", knobs=attention.preset(
-      "hyla"), rows=rows, seq_len=256, heads=8, head_dim=64, dtype="bfloat16", causal=True, topology="v5e:2x2"
-                                             )
+      "hyla"), rows=rows, seq_len=256, heads=8, head_dim=64, dtype="bfloat16", causal=True, segments=False,
+                                              topology="v5e:2x2")
   one, two = run(1), run(2)
   for kernel in ("forward", "backward"):
     assert one[kernel]["bundles_per_step"] == pytest.approx(two[kernel]["bundles_per_step"], rel=0.05)
@@ -197,10 +198,12 @@ def test_the_compiler_counts_what_the_kernels_declare(monkeypatch):
 
 
 def test_kernel_schedule_of_splash_kernels():
-  """Softmax's splash kernels, timed the same way: at 1,024 tokens in blocks of 512, each head and row
-  computes 3 of the 4 block pairs causally (the fourth grid step skips its work)."""
+  """Softmax's splash kernels, timed the same way (here with packed documents' segment ids): at 1,024
+  tokens in blocks of 512, each head and row computes 3 of the 4 block pairs causally (the fourth grid
+  step skips its work)."""
   r = kernel_schedule.schedule(impl="splash", knobs=attention.preset("softmax"), rows=2, seq_len=1024,
-                               heads=8, head_dim=64, dtype="bfloat16", causal=True, topology="v5e:2x2")
+                               heads=8, head_dim=64, dtype="bfloat16", causal=True, segments=True,
+                               topology="v5e:2x2")
   assert attention_softmax.splash_block(1024) == 512
   for kernel, name in (("forward", attention_softmax.SPLASH_FORWARD), ("backward",
                                                                        attention_softmax.SPLASH_BACKWARD)):
@@ -210,7 +213,7 @@ def test_kernel_schedule_of_splash_kernels():
     assert k["units"]["MXU"]["used"] > 0 and (k["flops"], k["hbm_bytes"]) == (0, 0)
   with pytest.raises(ValueError, match="no schedule for attention implementation 'pallas'"):
     kernel_schedule.schedule(impl="pallas", knobs=attention.preset("softmax"), rows=1, seq_len=512, heads=8,
-                             head_dim=64, dtype="bfloat16", causal=True, topology="v5e:2x2")
+                             head_dim=64, dtype="bfloat16", causal=True, segments=True, topology="v5e:2x2")
 
 
 def test_every_listed_topology_exists():
