@@ -19,8 +19,6 @@ DUMP = tempfile.mkdtemp(prefix="kernel_layouts_")
 os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
                                   f" --xla_jf_dump_to={DUMP} --xla_jf_dump_llo_text=true")
 
-import functools  # noqa: E402
-import operator  # noqa: E402
 import shutil  # noqa: E402
 
 import jax  # noqa: E402
@@ -31,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from launch import kernel_schedule, topology  # noqa: E402
+from lm import attention_hypernetwork  # noqa: E402
 
 flags.DEFINE_string("topology", "v5e:2x2", "TPU topology; the kernels are compiled for its first chip.")
 
@@ -38,13 +37,9 @@ Q = K = 128
 H, D = 8, 64
 F32, BF16 = jnp.float32, jnp.bfloat16
 
-
-def _sum(terms):
-  return functools.reduce(operator.add, terms)
-
-
-def _per_key(x, y, contract_x, contract_y):
-  return jax.lax.dot_general(x, y, (((contract_x,), (contract_y,)), ((0,), (0,))), preferred_element_type=F32)
+# The kernels' own helpers: the heads' sum from the first term, and products batched over the leading
+# axis on the MXU (over queries in the kernels, over keys here).
+_sum, _batched = attention_hypernetwork._sum_heads, attention_hypernetwork._per_query
 
 
 def z_whole_tile(a_ref, v_ref, o_ref):  # a [H, Q, K], vᵀ [H, D, K] -> z [Q, D, K]
@@ -59,11 +54,11 @@ def z_per_query(a_ref, v_ref, o_ref):
 
 
 def z_mxu_kdq(a_ref, v_ref, o_ref):  # a [K, H, Q], v [K, H, D] -> z [K, D, Q]
-  o_ref[...] = _per_key(v_ref[...], a_ref[...].astype(BF16), 1, 1).astype(o_ref.dtype)
+  o_ref[...] = _batched(v_ref[...], a_ref[...].astype(BF16), 1, 1).astype(o_ref.dtype)
 
 
 def z_mxu_kqd(a_ref, v_ref, o_ref):  # -> z [K, Q, D]
-  o_ref[...] = _per_key(a_ref[...].astype(BF16), v_ref[...], 1, 1).astype(o_ref.dtype)
+  o_ref[...] = _batched(a_ref[...].astype(BF16), v_ref[...], 1, 1).astype(o_ref.dtype)
 
 
 def transpose_3d(x_ref, o_ref):  # [K, D, Q] -> [Q, D, K]

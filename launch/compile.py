@@ -149,8 +149,9 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
   compute, memory_time = roofline(out, out["compiler_bytes"] - out["kernel_hbm_bytes"])
   compute -= out["kernel_flops"] / peak
   bound = "compute" if compute >= memory_time else "HBM bandwidth"
+  out["kernel_seconds"] = kernel_seconds(schedules, chip)
   out.update(
-      estimated_step_seconds=max(compute, memory_time) + kernel_seconds(schedules, chip),
+      estimated_step_seconds=max(compute, memory_time) + out["kernel_seconds"],
       bound=bound + " + attention kernels" * bool(schedules) + " (attention kernels untimed)" * bool(untimed))
   out["estimated_hours"] = out["estimated_step_seconds"] * config.train.steps / 3600
   return out
@@ -183,7 +184,7 @@ def format_report(r: dict) -> str:
         f"  DOES NOT FIT in {_gib(r['hbm_bytes'])} of HBM; the compiler says: {r['compiler_message']}",
         f"  To fit: {fix}."
     ])
-  kernel_ms = 1e3 * kernel_seconds(r["kernel_schedules"], CHIPS[r["device_kind"]])
+  kernel_ms = 1e3 * r["kernel_seconds"]
   optimal = (f"{r['optimal_seconds'] * 1e3:.1f} ms" if r["optimal_seconds"] > 0 else
              f"unusable ({r['optimal_seconds']:.3f} s: negative when the cost model cannot time "
              "some operation of the step)")

@@ -232,3 +232,15 @@ def per_device(local, q, k, v, segment_ids, bias, batch_axes, *, split_heads: bo
       local,
       in_specs=(qkv_spec, qkv_spec, qkv_spec, None if segment_ids is None else P(batch, None), bias_spec),
       out_specs=qkv_spec, check_vma=False)(q, k, v, segment_ids, bias)
+
+
+def block_visible(causal: bool, i, j, bq: int, bk: int):
+  """Whether query block i (of bq queries) sees any key of key block j (of bk keys); i and j may be
+  traced grid indices."""
+  return True if not causal else j * bk <= i * bq + bq - 1
+
+
+def visible_blocks(T: int, bq: int, bk: int, causal: bool) -> int:
+  """How many (query block, key block) pairs of a length-T row see a key: what a tiled kernel that
+  skips the rest computes."""
+  return sum(bool(block_visible(causal, i, j, bq, bk)) for i in range(T // bq) for j in range(T // bk))

@@ -82,11 +82,6 @@ class _Static:
   interpret: bool
 
 
-def _visible(causal: bool, i, j, bq: int, bk: int):
-  """Whether query block i sees any key of key block j."""
-  return True if not causal else j * bk <= i * bq + bq - 1
-
-
 def _last_key_block(causal: bool, i, j, bq: int, bk: int):
   """The key block to fetch at grid step (i, j): past the diagonal, the last one i sees, so that Pallas
   (which skips a fetch of the block it already holds) reads nothing for the skipped tiles. (lax.div:
@@ -172,7 +167,7 @@ def _forward_kernel(*refs, static, segments):
   def _():
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  @pl.when(_visible(static.causal, i, j, bq, bk))
+  @pl.when(core.block_visible(static.causal, i, j, bq, bk))
   def _():
     segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
     _, _, a_1hqk, _, z_qdk = _tile(static, i * bq, j * bk, q_ref[0], k_ref, vt_ref, segq_q1, segk_1k)
@@ -193,7 +188,7 @@ def _backward_kernel(*refs, static, segments):
   j, i = pl.program_id(1), pl.program_id(2)
   _, H, bq, d = q_ref.shape
   bk = k_ref.shape[2]
-  visible = _visible(static.causal, i, j, bq, bk)
+  visible = core.block_visible(static.causal, i, j, bq, bk)
 
   @pl.when(i == 0)
   def _():
@@ -255,10 +250,7 @@ def _segment_args(seg_bt):
 
 def visible_tiles(T: int, causal: bool) -> int:
   """How many tiles (grid steps) either kernel computes per batch row."""
-  return sum(
-      bool(_visible(causal, i, j, BLOCK_Q, BLOCK_K))
-      for i in range(T // BLOCK_Q)
-      for j in range(T // BLOCK_K))
+  return core.visible_blocks(T, BLOCK_Q, BLOCK_K, causal)
 
 
 def kernel_costs(knobs: core.Knobs, causal: bool, shape, itemsize: int) -> dict[str, pl.CostEstimate]:

@@ -66,8 +66,8 @@ def splash_block(T: int) -> int:
 def splash_visible_blocks(T: int, causal: bool) -> int:
   """How many (query block, key block) pairs of one head and row the splash kernels compute: those
   with a visible key (the rest of the grid's steps skip their work)."""
-  n = T // splash_block(T)
-  return n * (n + 1) // 2 if causal else n * n
+  block = splash_block(T)
+  return core.visible_blocks(T, block, block, causal)
 
 
 def _splash_kernel(T: int, H: int, causal: bool, interpret: bool):
