@@ -191,13 +191,17 @@ def _layer_norm(dtype, name: str) -> nn.LayerNorm:
 
 
 def rotary(x_bthk: jax.Array, positions_bt: jax.Array, base: float) -> jax.Array:
-  """Rotates pairs (x[i], x[i + K/2]) by angle position / base^(2i/K)."""
+  """Rotates pairs (x[i], x[i + K/2]) by angle position / base^(2i/K), in x's dtype.
+
+  The angles and their sines are float32; the rotation itself runs in x's dtype, as MaxText's does. In
+  bfloat16 a float32 rotation made XLA write q, k and their cotangents in float32 between the
+  projections and the attention kernel: 2.4 of the 18.3 GB a c4_50m step moves per v5e chip."""
   half = x_bthk.shape[-1] // 2
   freq_k = base**(-jnp.arange(half, dtype=jnp.float32) / half)
   angle_bt1k = positions_bt[:, :, None, None].astype(jnp.float32) * freq_k
-  sin, cos = jnp.sin(angle_bt1k), jnp.cos(angle_bt1k)
-  x1, x2 = jnp.split(x_bthk.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthk.dtype)
+  sin, cos = jnp.sin(angle_bt1k).astype(x_bthk.dtype), jnp.cos(angle_bt1k).astype(x_bthk.dtype)
+  x1, x2 = jnp.split(x_bthk, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def relative_bucket(relative_bqk: jax.Array, *, bidirectional: bool, num_buckets: int,

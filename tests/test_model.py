@@ -112,6 +112,18 @@ def test_rotary_preserves_norms_and_depends_on_relative_offset():
   assert dot(3, 1) == pytest.approx(dot(12, 10), rel=1e-4)
 
 
+def test_rotary_in_bfloat16_stays_within_its_rounding_of_the_float32_rotation():
+  # bfloat16 inputs rotate in bfloat16 (sines rounded, products rounded): a few of its units in the last
+  # place of the vector's size from the float32 rotation of the same values, never more.
+  x = jax.random.normal(jax.random.key(1), (2, 512, 4, 64)).astype(jnp.bfloat16)
+  pos = jnp.broadcast_to(jnp.arange(512), (2, 512))
+  got = model_lib.rotary(x, pos, 1e4)
+  assert got.dtype == jnp.bfloat16
+  want = model_lib.rotary(x.astype(jnp.float32), pos, 1e4)
+  err = jnp.abs(got.astype(jnp.float32) - want) / jnp.linalg.norm(want, axis=-1, keepdims=True)
+  assert 2**-12 < float(jnp.max(err)) < 2**-8
+
+
 def test_remat_and_bfloat16_keep_the_function():
   m, params, tokens_bt = _model(attention="hyla")
   ref = m.apply({"params": params}, tokens_bt)
