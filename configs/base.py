@@ -12,7 +12,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(
       dict(V=32_000, D=512, H=8, L=6, F=2048, qkv_dim=0, attention="softmax", attention_impl="auto",
            attention_dropout=0.0, causal=True, positions="rotary", max_len=2048, rope_base=10_000.0,
-           relative_buckets=32, relative_max_distance=128, relative_bidirectional=True,
+           rope_by_product=False, relative_buckets=32, relative_max_distance=128, relative_bidirectional=True,
            relative_bias_per_layer=False, relative_bias_std=0.02, projection_bias=False,
            residual_init="depth", tied_embeddings=False, input_dim=0, dtype="float32", matmul_dtype="",
            remat="none"))

@@ -26,11 +26,11 @@ from lm import model as model_lib
 # Fields that may differ between the saved run and the resuming one: they change how the math is
 # computed (train.microbatches: the same summed gradient in k parts, one dropout mask per step) or how
 # long training runs, not what the saved arrays and data positions mean.
-MUTABLE_FIELDS = ("model.attention_impl", "train.cross_entropy_impl", "model.remat", "model.dtype",
-                  "model.matmul_dtype", "train.microbatches", "train.steps", "train.log_every_steps",
-                  "train.on_nonfinite", "eval", "checkpoint", "mesh", "data.dir", "data.tokenizer",
-                  "data.threads", "compilation_cache", "cpu_library_fusion", "cpu_devices", "watchdog",
-                  "metrics")
+MUTABLE_FIELDS = ("model.attention_impl", "train.cross_entropy_impl", "model.remat", "model.rope_by_product",
+                  "model.dtype", "model.matmul_dtype", "train.microbatches", "train.steps",
+                  "train.log_every_steps", "train.on_nonfinite", "eval", "checkpoint", "mesh", "data.dir",
+                  "data.tokenizer", "data.threads", "compilation_cache", "cpu_library_fusion", "cpu_devices",
+                  "watchdog", "metrics")
 # Fields added to the config after checkpoints existed, each with the value that computes what runs
 # saved before it computed. A saved config without such a field reads as having that value, so those
 # runs still resume and evaluate; any other field missing from a saved config is a difference.
