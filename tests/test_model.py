@@ -127,7 +127,7 @@ def test_rotary_in_bfloat16_stays_within_its_rounding_of_the_float32_rotation():
 def test_rope_by_product_rotates_as_rotary_does():
   # The partner product is rotate_half(x w) as a column permutation: the same function and gradients,
   # projection biases included (perturbed from their zero initialisation so their partners count).
-  kw = dict(V=50, D=32, H=4, L=2, F=64, attention="hyla", projection_bias=True)
+  kw = dict(V=50, D=32, H=4, L=1, F=64, attention="linear", projection_bias=True)
   m, params, tokens_bt = _model(**kw)
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(2), len(leaves))
