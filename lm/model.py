@@ -272,15 +272,15 @@ class Attention(nn.Module):
     v_bthk = product(cfg, "btd,dhk->bthk", x_btd, w["wv"]) + bv_hk
 
     def project(x_btd, w_dhk, b_hk, positions_bt):
+      y_bthk = product(cfg, "btd,dhk->bthk", x_btd, w_dhk) + b_hk
       if cfg.positions != "rotary":
-        return product(cfg, "btd,dhk->bthk", x_btd, w_dhk) + b_hk
+        return y_bthk
       if not cfg.rope_by_product:
-        return rotary(product(cfg, "btd,dhk->bthk", x_btd, w_dhk) + b_hk, positions_bt, cfg.rope_base)
+        return rotary(y_bthk, positions_bt, cfg.rope_base)
       # x rotate_half(w) is rotate_half(x w) exactly: the product permutes and negates columns.
       partner_bthk = product(cfg, "btd,dhk->bthk", x_btd, rotate_half(w_dhk))
       partner_bthk += b_hk if isinstance(b_hk, float) else rotate_half(b_hk)
-      return rotary(
-          product(cfg, "btd,dhk->bthk", x_btd, w_dhk) + b_hk, positions_bt, cfg.rope_base, partner_bthk)
+      return rotary(y_bthk, positions_bt, cfg.rope_base, partner_bthk)
 
     q_bthk = project(x_btd[:, q0:], w["wq"], bq_hk, positions_bt[:, q0:])
     k_bthk = project(x_btd, w["wk"], bk_hk, positions_bt)
