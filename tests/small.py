@@ -2,6 +2,7 @@
 tiny size, and reading what a run wrote; importable from config files that tests hand to `lm-train`
 in a subprocess, so it imports nothing that defines flags."""
 
+import pathlib
 import struct
 
 from etils import epath
@@ -9,6 +10,11 @@ from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
 from configs import tiny
+
+# One compilation cache for every test run of the small model, in-process or in a subprocess: tests
+# that train it again (resumed, killed, on another workdir) load its programs instead of compiling
+# them. Entries are keyed by the program, its flags and JAX's version, so sharing changes no result.
+COMPILATION_CACHE = str(pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax_compilation")
 
 
 def small_config(corpus_dir, **model):
@@ -18,6 +24,7 @@ def small_config(corpus_dir, **model):
   c.train.update(steps=40, batch_size=8, lr=1e-2, warmup_steps=5, log_every_steps=10)
   c.eval.update(every_steps=20, batch_size=8)
   c.checkpoint.every_steps = 1000
+  c.compilation_cache = COMPILATION_CACHE
   return c
 
 

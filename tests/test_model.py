@@ -273,6 +273,8 @@ def test_readout_last_is_the_full_models_last_rows_with_dropout_and_gradients(na
   m, params, tokens_bt = _model(attention=name, attention_dropout=0.3, **kw)
   run = lambda p, n: m.apply({"params": p}, tokens_bt, deterministic=False, rngs=
                              {"dropout": jax.random.key(7)}, readout_last=n)
+  # Compiled, not op by op: eagerly these few small products take half a minute.
+  run = jax.jit(run, static_argnums=1)
   full, last = run(params, 0), run(params, 4)
   assert last.shape == (2, 4, 50)
   np.testing.assert_allclose(last, full[:, -4:], rtol=1e-5, atol=1e-6)
@@ -280,7 +282,7 @@ def test_readout_last_is_the_full_models_last_rows_with_dropout_and_gradients(na
                              m.apply({"params": params}, tokens_bt)[:, -1:], rtol=1e-5, atol=1e-6)
   weights_v = jnp.arange(50.0) / 50
   grads = [
-      jax.grad(lambda p, n=n, s=s: jnp.sum(jnp.tanh(run(p, n)[:, s:]) * weights_v))(params)
+      jax.jit(jax.grad(lambda p, n=n, s=s: jnp.sum(jnp.tanh(run(p, n)[:, s:]) * weights_v)))(params)
       for n, s in ((0, -4), (4, 0))
   ]
   # HYLA's gradients follow the summation order (relu at z near 0): the full model's two implementations
