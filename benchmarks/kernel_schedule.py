@@ -24,8 +24,9 @@ flags.DEFINE_integer("seq_len", 512, "Tokens per row.")
 flags.DEFINE_integer("heads", 8, "Attention heads.")
 flags.DEFINE_integer("head_dim", 64, "Width of a head.")
 flags.DEFINE_enum(
-    "impl", "pallas_hypernetwork", kernel_schedule.TIMED, "The attention implementation whose "
-    "kernels to compile: HYLA's (pallas_hypernetwork) or softmax's splash kernels (splash).")
+    "impl", "pallas_hypernetwork_keep_z", kernel_schedule.TIMED, "The attention implementation whose "
+    "kernels to compile: HYLA's (pallas_hypernetwork_keep_z, what auto takes at 512 tokens, or "
+    "pallas_hypernetwork, which recomputes z) or softmax's splash kernels (splash).")
 flags.DEFINE_string(
     "preset", "hyla", "An attention preset the kernels run (hyla, hyla_no_rms_head, ...; "
     "softmax for splash).")

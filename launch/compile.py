@@ -96,6 +96,8 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
           dict(exp.mesh.shape),
       "attention":
           exp.model_cfg.attention,
+      "attention_impls":  # each layer's, on TPU
+          [exp.model_cfg.layer_impl(layer, seq_len, "tpu") for layer in range(exp.model_cfg.L)],
       "num_params":
           exp.num_params,
       "batch_rows":
@@ -179,6 +181,9 @@ def format_report(r: dict) -> str:
     fix = ("shard the state: mesh.fsdp (width) or mesh.tensor (heads, MLP, vocabulary)"
            if r["argument_bytes"] > r["hbm_bytes"] /
            2 else "lower train.batch_size, raise train.microbatches, or set model.remat=block")
+    if set(r["attention_impls"]) == {"pallas_hypernetwork_keep_z"}:  # one impl serves every layer
+      fix += ("; or have HYLA's kernels recompute z instead of keeping it (memory that grows with the "
+              "square of the length): model.attention_impl=pallas_hypernetwork")
     return "\n".join(lines + [
         f"  arguments (state and batch)  {_gib(r['argument_bytes'])}",
         f"  DOES NOT FIT in {_gib(r['hbm_bytes'])} of HBM; the compiler says: {r['compiler_message']}",

@@ -25,8 +25,8 @@ import tempfile
 _NUMBERS = re.compile(r"^\s*\d+(\s+\d+)+\s*$")
 # lm/attention.py's implementations that run Pallas kernels on TPU, and those whose kernels this times
 # (not flash attention's, which softmax runs only with a position bias).
-PALLAS = ("pallas_hypernetwork", "splash", "pallas")
-TIMED = PALLAS[:2]
+PALLAS = ("pallas_hypernetwork_keep_z", "pallas_hypernetwork", "splash", "pallas")
+TIMED = PALLAS[:3]
 
 
 def schedule(*, impl: str, knobs: dict, rows: int, seq_len: int, heads: int, head_dim: int, dtype: str,
@@ -92,8 +92,9 @@ def _kernels(spec: dict, itemsize: int):
     return attend, (softmax.SPLASH_FORWARD,
                     softmax.SPLASH_BACKWARD), rows * H * softmax.splash_visible_blocks(T, causal), {}
   knobs = attention_core.Knobs(**spec["knobs"])
-  attend = functools.partial(hyper.attend_pallas_hypernetwork, knobs=knobs, causal=causal)
-  declared = hyper.kernel_costs(knobs, causal, (rows, H, T, spec["head_dim"]), itemsize)
+  keep_z = spec["impl"] == "pallas_hypernetwork_keep_z"
+  attend = functools.partial(hyper.attend_pallas_hypernetwork, knobs=knobs, causal=causal, keep_z=keep_z)
+  declared = hyper.kernel_costs(knobs, causal, (rows, H, T, spec["head_dim"]), itemsize, keep_z)
   return attend, (hyper.FORWARD, hyper.BACKWARD), rows * hyper.visible_tiles(T, causal), declared
 
 

@@ -33,6 +33,13 @@ accumulates dk and dv on chip; each tile's share of dq goes to a partial per key
 by XLA), since two kernels in flash attention's split would each redo the tile's vector work, most of
 the time. Causal tiles wholly above the diagonal are neither computed nor fetched.
 No bias, no dropout: lm/attention.py's table sends those calls to the blocked kernel.
+
+keep_z: the forward kernel also writes each visible tile's z to HBM, in the compute dtype, and the
+backward kernel reads it back instead of recomputing it: a quarter of the backward's vector work for
+BQ x BK x d values a tile in memory, [rows, visible tiles, BQ, d, BK] per layer (20 MB a row and layer at
+512 tokens in bfloat16, growing with the square of the length; lm/attention.py's table lets `auto` take
+it up to 512). On TPU it changes no number for relu: φ(z) reaches the MXU rounded to bfloat16 either
+way and its sign is kept.
 """
 
 import dataclasses
@@ -57,20 +64,20 @@ VMEM_LIMIT = 32 * 2**20
 
 def attend_pallas_hypernetwork(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: core.Knobs,
                                causal: bool = True, segment_ids: jax.Array | None = None,
-                               batch_axes: tuple[str, ...] = (), interpret: bool = False) -> jax.Array:
+                               batch_axes: tuple[str, ...] = (), interpret: bool = False,
+                               keep_z: bool = False) -> jax.Array:
   """attention_core.reference's contract for the hypernetwork value network with rms_head or none
   normalisation, lengths a multiple of BLOCK_K, on each device's shard. interpret: Pallas's
-  interpreter (any backend)."""
-  local = lambda q, k, v, seg, _: _attend(q, k, v, seg, knobs=knobs, causal=causal, interpret=interpret)
+  interpreter (any backend). keep_z: z kept from the forward pass for the backward (module docstring)."""
+  local = lambda q, k, v, seg, _: _attend(q, k, v, seg, static=_Static(knobs, causal, interpret, keep_z))
   return core.per_device(local, q, k, v, segment_ids, None, batch_axes, split_heads=False)
 
 
-def _attend(q, k, v, segment_ids, *, knobs, causal, interpret):
+def _attend(q, k, v, segment_ids, *, static):
   # Kernel layout: heads before positions; v transposed so that keys are the minor (lane) axis.
   q_bhtd, k_bhtd = (jnp.swapaxes(x, 1, 2) for x in (q, k))
   vt_bhdt = jnp.transpose(v, (0, 2, 3, 1))
   seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-  static = _Static(knobs, causal, interpret)
   return jnp.swapaxes(_core(static, q_bhtd, k_bhtd, vt_bhdt, seg), 1, 2)
 
 
@@ -80,6 +87,7 @@ class _Static:
   knobs: core.Knobs
   causal: bool
   interpret: bool
+  keep_z: bool
 
 
 def _last_key_block(causal: bool, i, j, bq: int, bk: int):
@@ -95,6 +103,12 @@ def _first_query_block(causal: bool, i, j, bq: int, bk: int):
   return jnp.maximum(i, jax.lax.div(j * bk, bq)) if causal else i
 
 
+def _tile_index(causal: bool, i, j, nk: int):
+  """Where the tile of query block i and key block j is kept among a row's visible tiles, row by row
+  (causal: query block i sees key blocks 0..i, as BLOCK_Q == BLOCK_K)."""
+  return jax.lax.div(i * (i + 1), 2) + j if causal else i * nk + j
+
+
 def _sum_heads(terms: list[jax.Array]) -> jax.Array:
   """Σ of the heads' [BQ, d, BK] terms from the first (Python's sum would add the first to 0: one
   more pass over the tile on the vector unit)."""
@@ -108,9 +122,9 @@ def _per_query(x, y, contract_x: int, contract_y: int) -> jax.Array:
 
 
 def _tile(static: _Static, q0, k0, q_hqd, k_ref, vt_ref, segq_q1, segk_1k):
-  """The tile of queries q_hqd [H, BQ, d] from position q0 and the key block from k0, up to z: the mask
-  [BQ, BK] (or None), the normalisation's pullback, the weights a [1, H, BQ, BK], vᵀ [H, d, BK] and z
-  [BQ, d, BK], all float32. segq_q1 [BQ, 1] and segk_1k [1, BK]: segment ids, or None."""
+  """The tile of queries q_hqd [H, BQ, d] from position q0 and the key block from k0, up to the weights:
+  the mask [BQ, BK] (or None), the normalisation's pullback, the weights a [1, H, BQ, BK] and vᵀ [H, d,
+  BK], float32. segq_q1 [BQ, 1] and segk_1k [1, BK]: segment ids, or None."""
   H, bq, d = q_hqd.shape
   bk = k_ref.shape[2]
   mask = None
@@ -131,18 +145,24 @@ def _tile(static: _Static, q0, k0, q_hqd, k_ref, vt_ref, segq_q1, segk_1k):
     s_1hqk = jnp.where(mask_11qk, s_1hqk, 0.0)
   a_1hqk, normalize_pullback = jax.vjp(
       lambda s: core.normalize(s, mask_11qk, normalization=static.knobs.normalization), s_1hqk)
-  vt_hdk = vt_ref[0].astype(jnp.float32)
-  z_qdk = jnp.stack([_sum_heads([a_1hqk[0, h, q][None] * vt_hdk[h] for h in range(H)]) for q in range(bq)])
-  return mask_11qk, normalize_pullback, a_1hqk, vt_hdk, z_qdk
+  return mask_11qk, normalize_pullback, a_1hqk, vt_ref[0].astype(jnp.float32)
 
 
-def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref):
+def _z(a_1hqk, vt_hdk) -> jax.Array:
+  """z [BQ, d, BK] = Σ_h a_h vᵀ_h, one query at a time."""
+  H, bq = a_1hqk.shape[1:3]
+  return jnp.stack([_sum_heads([a_1hqk[0, h, q][None] * vt_hdk[h] for h in range(H)]) for q in range(bq)])
+
+
+def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref):
   """The tile's weights a [1, H, BQ, BK], the cotangent ds [1, H, BQ, BK] of the scaled scores (the
-  caller applies 1/sqrt(d) for dq and dk) and dz [BQ, d, BK], given the output's cotangent g [H, BQ, d]."""
+  caller applies 1/sqrt(d) for dq and dk) and dz [BQ, d, BK], given the output's cotangent g [H, BQ, d];
+  z read from z_ref when the forward pass kept it, else recomputed."""
   H = q_ref.shape[1]
   segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
-  mask_11qk, normalize_pullback, a_1hqk, vt_hdk, z_qdk = _tile(static, q0, k0, q_ref[0], k_ref, vt_ref,
-                                                               segq_q1, segk_1k)
+  mask_11qk, normalize_pullback, a_1hqk, vt_hdk = _tile(static, q0, k0, q_ref[0], k_ref, vt_ref, segq_q1,
+                                                        segk_1k)
+  z_qdk = _z(a_1hqk, vt_hdk) if z_ref is None else z_ref[0, 0].astype(jnp.float32)
   p_qdk, phi_pullback = jax.vjp(core.NONLINEARITIES[static.knobs.nonlinearity], z_qdk)
   g_qhd = jnp.swapaxes(g_ref[0].astype(jnp.float32), 0, 1)
   a_qhk = jnp.swapaxes(a_1hqk[0], 0, 1)
@@ -159,7 +179,7 @@ def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, 
 def _forward_kernel(*refs, static, segments):
   q_ref, k_ref, vt_ref = refs[:3]
   segq_ref, segk_ref = refs[3:5] if segments else (None, None)
-  out_ref, acc_ref = refs[-2:]
+  out_ref, z_ref, acc_ref = refs[-3:] if static.keep_z else (refs[-2], None, refs[-1])
   i, j = pl.program_id(1), pl.program_id(2)
   bq, bk = q_ref.shape[2], k_ref.shape[2]
 
@@ -170,7 +190,10 @@ def _forward_kernel(*refs, static, segments):
   @pl.when(core.block_visible(static.causal, i, j, bq, bk))
   def _():
     segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
-    _, _, a_1hqk, _, z_qdk = _tile(static, i * bq, j * bk, q_ref[0], k_ref, vt_ref, segq_q1, segk_1k)
+    _, _, a_1hqk, vt_hdk = _tile(static, i * bq, j * bk, q_ref[0], k_ref, vt_ref, segq_q1, segk_1k)
+    z_qdk = _z(a_1hqk, vt_hdk)
+    if z_ref is not None:
+      z_ref[0, 0] = z_qdk.astype(z_ref.dtype)
     p_qdk = core.NONLINEARITIES[static.knobs.nonlinearity](z_qdk)
     acc_ref[...] += _per_query(jnp.swapaxes(a_1hqk[0], 0, 1), p_qdk, 2, 2)
 
@@ -183,7 +206,8 @@ def _backward_kernel(*refs, static, segments):
   """dk and dv accumulated over the query blocks of key block j; each tile's share of dq written to
   its own block of the [key blocks, ...] partials (zeros where the tile is not visible)."""
   q_ref, k_ref, vt_ref, g_ref = refs[:4]
-  segq_ref, segk_ref = refs[4:6] if segments else (None, None)
+  z_ref = refs[4] if static.keep_z else None
+  segq_ref, segk_ref = refs[4 + static.keep_z:][:2] if segments else (None, None)
   dq_ref, dk_ref, dvt_ref, dk_acc_ref, dvt_acc_ref = refs[-5:]
   j, i = pl.program_id(1), pl.program_id(2)
   _, H, bq, d = q_ref.shape
@@ -198,7 +222,7 @@ def _backward_kernel(*refs, static, segments):
   @pl.when(visible)
   def _():
     a_1hqk, ds_1hqk, dz_qdk = _tile_grads(static, i * bq, j * bk, q_ref, k_ref, vt_ref, g_ref, segq_ref,
-                                          segk_ref)
+                                          segk_ref, z_ref)
     contract_q = (((0,), (0,)), ((), ()))
     for h in range(H):
       ds_qk = ds_1hqk[0, h].astype(q_ref.dtype)
@@ -218,10 +242,10 @@ def _backward_kernel(*refs, static, segments):
 
 
 def _specs(static: _Static, shape, segments: bool, *, keys_outer: bool, with_g: bool):
-  """Block specs of (q, k, vᵀ[, g][, query segments, key segments]) for a grid (b, outer, inner) over
-  blocks of BLOCK_Q queries and BLOCK_K keys: outer query blocks and inner key blocks, or (keys_outer)
-  the other way round."""
-  _, H, _, d = shape
+  """Block specs of (q, k, vᵀ[, g, kept z][, query segments, key segments]) for a grid (b, outer, inner)
+  over blocks of BLOCK_Q queries and BLOCK_K keys: outer query blocks and inner key blocks, or
+  (keys_outer) the other way round; and the spec of a kept z's tile on that grid."""
+  _, H, T, d = shape
   bq, bk, causal = BLOCK_Q, BLOCK_K, static.causal
   if keys_outer:
     qi = lambda j, i: _first_query_block(causal, i, j, bq, bk)
@@ -234,14 +258,16 @@ def _specs(static: _Static, shape, segments: bool, *, keys_outer: bool, with_g: 
       pl.BlockSpec((1, H, bk, d), lambda b, o, n: (b, 0, ij(o, n)[1], 0)),
       pl.BlockSpec((1, H, d, bk), lambda b, o, n: (b, 0, 0, ij(o, n)[1])),
   ]
+  tile = pl.BlockSpec((1, 1, bq, d, bk), lambda b, o, n:
+                      (b, _tile_index(causal, *ij(o, n), T // bk), 0, 0, 0))
   if with_g:
-    specs.append(query)
+    specs += [query, tile] if static.keep_z else [query]
   if segments:
     specs += [
         pl.BlockSpec((1, bq, 1), lambda b, o, n: (b, ij(o, n)[0], 0)),
         pl.BlockSpec((1, 1, bk), lambda b, o, n: (b, 0, ij(o, n)[1])),
     ]
-  return specs
+  return specs, tile
 
 
 def _segment_args(seg_bt):
@@ -253,22 +279,29 @@ def visible_tiles(T: int, causal: bool) -> int:
   return core.visible_blocks(T, BLOCK_Q, BLOCK_K, causal)
 
 
-def kernel_costs(knobs: core.Knobs, causal: bool, shape, itemsize: int) -> dict[str, pl.CostEstimate]:
+def kernel_costs(knobs: core.Knobs, causal: bool, shape, itemsize: int,
+                 keep_z: bool = False) -> dict[str, pl.CostEstimate]:
   """Each kernel's work for q, k, v of `shape` [B, H, T, d], as XLA's cost analysis counts it: H x d
-  multiply-adds per pair of every visible tile and product (3 forward, 8 backward), and HBM traffic.
-  Forward: q and the output once, k and vᵀ once per visible tile; backward: k, vᵀ, dk and dvᵀ once, the
-  float32 dq partials of every key block once, q and g once per visible tile."""
+  multiply-adds per pair of every visible tile and product (3 forward, 8 backward; 7 with keep_z), and
+  HBM traffic. Forward: q and the output once, k and vᵀ once per visible tile; backward: k, vᵀ, dk and
+  dvᵀ once, the float32 dq partials of every key block once, q and g once per visible tile; with
+  keep_z, every visible tile's z written forward and read backward."""
   B, H, T, d = shape
   tiles = visible_tiles(T, causal)
   row = H * d * itemsize
+  z_bytes = keep_z * B * tiles * BLOCK_Q * BLOCK_K * d * itemsize
 
   def cost(products: int, outer_arrays: int, inner_arrays: int) -> pl.CostEstimate:
     return pl.CostEstimate(
         flops=2 * B * tiles * BLOCK_Q * BLOCK_K * H * d * products,
         transcendentals=B * tiles * BLOCK_Q * BLOCK_K * (knobs.normalization == "rms_head"),
-        bytes_accessed=B * row * (outer_arrays * T + inner_arrays * tiles * BLOCK_K))
+        bytes_accessed=B * row * (outer_arrays * T + inner_arrays * tiles * BLOCK_K) + z_bytes)
 
-  return {FORWARD: cost(3, 2, 2), BACKWARD: cost(8, 4 + 2 * (T // BLOCK_K), 2)}
+  return {FORWARD: cost(3, 2, 2), BACKWARD: cost(8 - keep_z, 4 + 2 * (T // BLOCK_K), 2)}
+
+
+def _costs(static: _Static, q_bhtd) -> dict[str, pl.CostEstimate]:
+  return kernel_costs(static.knobs, static.causal, q_bhtd.shape, q_bhtd.dtype.itemsize, static.keep_z)
 
 
 def _params(static: _Static):
@@ -293,32 +326,39 @@ def _core_fwd(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt):
   _check(q_bhtd.shape)
   B, H, T, d = q_bhtd.shape
   segments = seg_bt is not None
-  out = pl.pallas_call(
+  in_specs, tile = _specs(static, q_bhtd.shape, segments, keys_outer=False, with_g=False)
+  out_specs = [pl.BlockSpec((1, H, BLOCK_Q, d), lambda b, i, j: (b, 0, i, 0))]
+  out_shape = [jax.ShapeDtypeStruct(q_bhtd.shape, q_bhtd.dtype)]
+  if static.keep_z:
+    out_specs.append(tile)
+    out_shape.append(
+        jax.ShapeDtypeStruct((B, visible_tiles(T, static.causal), BLOCK_Q, d, BLOCK_K), q_bhtd.dtype))
+  out, *z = pl.pallas_call(
       functools.partial(_forward_kernel, static=static, segments=segments),
       grid=(B, T // BLOCK_Q, T // BLOCK_K),
-      in_specs=_specs(static, q_bhtd.shape, segments, keys_outer=False, with_g=False),
-      out_specs=pl.BlockSpec((1, H, BLOCK_Q, d), lambda b, i, j: (b, 0, i, 0)),
-      out_shape=jax.ShapeDtypeStruct(q_bhtd.shape, q_bhtd.dtype),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((BLOCK_Q, H, d), jnp.float32)],
-      cost_estimate=kernel_costs(static.knobs, static.causal, q_bhtd.shape, q_bhtd.dtype.itemsize)[FORWARD],
+      cost_estimate=_costs(static, q_bhtd)[FORWARD],
       name=FORWARD,
       **_params(static),
   )(q_bhtd, k_bhtd, vt_bhdt, *_segment_args(seg_bt))
-  return out, (q_bhtd, k_bhtd, vt_bhdt, seg_bt)
+  return out, (q_bhtd, k_bhtd, vt_bhdt, seg_bt, z)
 
 
 def _core_bwd(static, residuals, g_bhtd):
-  q_bhtd, k_bhtd, vt_bhdt, seg_bt = residuals
+  q_bhtd, k_bhtd, vt_bhdt, seg_bt, z = residuals
   B, H, T, d = q_bhtd.shape
   segments = seg_bt is not None
-  args = (q_bhtd, k_bhtd, vt_bhdt, g_bhtd.astype(q_bhtd.dtype), *_segment_args(seg_bt))
+  args = (q_bhtd, k_bhtd, vt_bhdt, g_bhtd.astype(q_bhtd.dtype), *z, *_segment_args(seg_bt))
   # One pass over the tiles for all three gradients (the tiles' vector work is most of the kernel's
   # time); dq's share from each key block goes to its own partial, summed here.
   nk = T // BLOCK_K
   dq_partials, dk, dvt = pl.pallas_call(
       functools.partial(_backward_kernel, static=static, segments=segments),
       grid=(B, nk, T // BLOCK_Q),
-      in_specs=_specs(static, q_bhtd.shape, segments, keys_outer=True, with_g=True),
+      in_specs=_specs(static, q_bhtd.shape, segments, keys_outer=True, with_g=True)[0],
       out_specs=[
           pl.BlockSpec((1, 1, H, BLOCK_Q, d), lambda b, j, i: (j, b, 0, i, 0)),
           pl.BlockSpec((1, H, BLOCK_K, d), lambda b, j, i: (b, 0, j, 0)),
@@ -331,7 +371,7 @@ def _core_bwd(static, residuals, g_bhtd):
       ],
       scratch_shapes=[pltpu.VMEM((H, BLOCK_K, d), jnp.float32),
                       pltpu.VMEM((H, d, BLOCK_K), jnp.float32)],
-      cost_estimate=kernel_costs(static.knobs, static.causal, q_bhtd.shape, q_bhtd.dtype.itemsize)[BACKWARD],
+      cost_estimate=_costs(static, q_bhtd)[BACKWARD],
       name=BACKWARD,
       **_params(static),
   )(*args)

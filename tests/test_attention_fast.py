@@ -170,21 +170,25 @@ def test_splash_equals_reference_in_interpret_mode(causal):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
-@pytest.mark.parametrize("preset,causal,segments", [("hyla", True, True), ("hyla", False, False),
-                                                    ("hyla_no_rms_head", True, False),
-                                                    ("hyla_gelu", False, True)])
-def test_pallas_hypernetwork_equals_reference_in_interpret_mode(preset, causal, segments):
+@pytest.mark.parametrize("preset,causal,segments,keep_z", [("hyla", True, True, True),
+                                                           ("hyla", False, False, False),
+                                                           ("hyla_no_rms_head", True, False, False),
+                                                           ("hyla_gelu", False, True, True)])
+def test_pallas_hypernetwork_equals_reference_in_interpret_mode(preset, causal, segments, keep_z):
   """The TPU hypernetwork kernels run by Pallas's interpreter: the same outputs and gradients as the
-  definition (two query blocks by two key blocks; the causal case skips the tile above the diagonal)."""
+  definition (two query blocks by two key blocks; the causal case skips the tile above the diagonal),
+  with z recomputed in the backward pass or kept from the forward (causally: 3 tiles kept of 4)."""
   q, k, v, cotangent = (
       jax.random.normal(key, (2, 256, 2, 8)) for key in jax.random.split(jax.random.key(4), 4))
   segment_ids = jnp.asarray([[0] * 50 + [1] * 150 + [2] * 56, [0] * 256]) if segments else None
   knobs = attention.Knobs(**attention.preset(preset))
   kernel = lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(
-      q, k, v, knobs=knobs, causal=causal, segment_ids=segment_ids, interpret=True)
+      q, k, v, knobs=knobs, causal=causal, segment_ids=segment_ids, interpret=True, keep_z=keep_z)
   reference = lambda q, k, v: attention.attend(q, k, v, **attention.preset(preset), causal=causal, segment_ids
                                                =segment_ids)
   (out, pull), (out_ref, pull_ref) = (jax.vjp(f, q, k, v) for f in (kernel, reference))
+  kept = [x for x in jax.tree.leaves(pull) if x.ndim == 5]  # [rows, tiles, BQ, d, BK]
+  assert [x.shape[:2] for x in kept] == ([(2, 3 if causal else 4)] if keep_z else [])
   grads = pull(cotangent)
   np.testing.assert_allclose(out, out_ref, rtol=1e-4, atol=1e-4 * np.abs(out_ref).max())
   for name, g, g_ref in zip(("dq", "dk", "dv"), grads, pull_ref(cotangent)):
@@ -226,7 +230,8 @@ def test_pallas_hypernetwork_in_bfloat16(mxu_operands, monkeypatch):
   """The model's compute dtype: outputs and gradients come back in bfloat16, as close to the float32
   definition as the reference computed in bfloat16 (the kernels compute the tile in float32). On TPU
   the per-query products on the MXU round their operands to bfloat16 (its default precision), which
-  the interpreter does not: emulated here by rounding them before the product."""
+  the interpreter does not: emulated here by rounding them before the product, with z kept from the
+  forward pass in bfloat16, as auto runs the kernels at 512 tokens on TPU."""
   if mxu_operands == "bfloat16":
     exact_products = attention_hypernetwork._per_query
     rounded = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
@@ -238,7 +243,7 @@ def test_pallas_hypernetwork_in_bfloat16(mxu_operands, monkeypatch):
   reference = lambda q, k, v: attention.attend(q, k, v, **kw)
   kernel = lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(
       q, k, v, knobs=attention.Knobs(**attention.preset("hyla")), segment_ids=kw["segment_ids"], interpret=
-      True)
+      True, keep_z=mxu_operands == "bfloat16")
   out_exact, pull_exact = jax.vjp(reference, q, k, v)
   exact = (out_exact, *pull_exact(cotangent))
 
@@ -287,6 +292,10 @@ def test_auto_picks_a_memory_linear_implementation_for_every_variant(dropout):
   assert set(_chosen("linear").values()) == {"chunked"}
   assert _chosen("hyla") == {"cpu": "blocked", "tpu": "pallas_hypernetwork", "gpu": "blocked"}
   assert _chosen("hyla_no_rms_head")["tpu"] == "pallas_hypernetwork"
+  # Up to 512 tokens, HYLA's kernels keep z for the backward pass (memory quadratic in the length).
+  assert _chosen("hyla", t=512)["tpu"] == _chosen("hyla_no_rms_head",
+                                                  t=512)["tpu"] == "pallas_hypernetwork_keep_z"
+  assert _chosen("hyla", t=640)["tpu"] == "pallas_hypernetwork"
   assert _chosen("hyla_softmax")["tpu"] == "blocked"  # softmax couples the keys: not in the kernels
   assert _chosen("hyla", bias=True)["tpu"] == "blocked" and _chosen("hyla", dropout=True)["tpu"] == "blocked"
   assert set(_chosen("linear", bias=True).values()) == {"blocked"}

@@ -66,10 +66,15 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
   assert schedule["layers"] == 1 and schedule["knobs"] == attention.preset(preset) and schedule["segments"]
   knobs = attention.Knobs(**attention.preset(preset))
   if preset == "hyla":
-    assert schedule["impl"] == "pallas_hypernetwork"
+    # At 512 tokens, z kept for the backward pass: its 10 tiles of 128 x 128 x 64 in bfloat16, written
+    # and read once, are part of the kernels' declared traffic.
+    assert schedule["impl"] == r["attention_impls"][0] == "pallas_hypernetwork_keep_z"
     names = (attention_hypernetwork.FORWARD, attention_hypernetwork.BACKWARD)
     steps = attention_hypernetwork.visible_tiles(512, True)
-    declared = attention_hypernetwork.kernel_costs(knobs, True, (1, 8, 512, 64), 2)
+    declared = attention_hypernetwork.kernel_costs(knobs, True, (1, 8, 512, 64), 2, keep_z=True)
+    recomputed = attention_hypernetwork.kernel_costs(knobs, True, (1, 8, 512, 64), 2)
+    for n in names:
+      assert declared[n].bytes_accessed - recomputed[n].bytes_accessed == 10 * 128 * 128 * 64 * 2
     declared = {n: (declared[n].flops, declared[n].bytes_accessed) for n in names}
   else:
     assert schedule["impl"] == "splash"
@@ -138,6 +143,13 @@ def test_text_report_and_does_not_fit():
   assert "DOES NOT FIT in 16.00 GiB of HBM" in out
   assert "exceeds available HBM (15.75G)" in out  # the compiler's own numbers
   assert "To fit: lower train.batch_size, raise train.microbatches" in out
+  assert "attention_impl" not in out
+  # HYLA's kernels keep z at 512 tokens: the report names the implementation that does not.
+  hyla = lm_compile("--topology=v5e:4x4", "--config.model.L=1", "--config.train.batch_size=32768",
+                    "--config.model.attention=hyla", "--json")
+  r = json.loads(hyla.stdout)
+  assert hyla.returncode == 1 and not r["fits"] and r["attention_impls"] == ["pallas_hypernetwork_keep_z"]
+  assert "recompute z instead of keeping it" in compile_lib.format_report(r).splitlines()[-1]
 
 
 @pytest.mark.parametrize("topology, message", [
