@@ -88,7 +88,7 @@ ANYWHERE = {p: None for p in PLATFORMS}
 # On CPU, XLA's softmax attention beats the blocked kernel below this length and loses from it on
 # (benchmarks/attention.py).
 CPU_BLOCKED_FROM = 1024
-# On TPU, HYLA's kernels keep z for the backward pass up to this length (see the table).
+# On TPU, auto has HYLA's kernels keep z for the backward pass up to this length (see the table).
 KEEP_Z_UP_TO = 512
 
 # Table order is auto's preference.
@@ -103,9 +103,9 @@ IMPLS: dict[str, Impl] = {
         Impl(functools.partial(attention_softmax.attend_pallas, batch_axes=sharding.BATCH),
              computes=("softmax",), dropout=False, tile=attention_softmax.PALLAS_BLOCK, auto={"tpu": None}),
     # The Pallas TPU kernels of the hypernetwork value network (lm/attention_hypernetwork.py), the
-    # forward pass keeping each tile's z for the backward: a quarter less vector work in the backward
-    # kernel for memory that grows with the square of the length (20 MB a row and layer at 512 tokens
-    # in bfloat16), so auto takes it up to 512 tokens only.
+    # forward pass keeping each tile's z for the backward: a third fewer of the backward kernel's
+    # vector multiply-adds, for memory that grows with the square of the length (20 MiB a row and
+    # layer at 512 tokens in bfloat16), so auto takes it up to 512 tokens only.
     "pallas_hypernetwork_keep_z":
         Impl(
             functools.partial(attention_hypernetwork.attend_pallas_hypernetwork, batch_axes=sharding.BATCH,

@@ -35,11 +35,11 @@ the time. Causal tiles wholly above the diagonal are neither computed nor fetche
 No bias, no dropout: lm/attention.py's table sends those calls to the blocked kernel.
 
 keep_z: the forward kernel also writes each visible tile's z to HBM, in the compute dtype, and the
-backward kernel reads it back instead of recomputing it: a quarter of the backward's vector work for
-BQ x BK x d values a tile in memory, [rows, visible tiles, BQ, d, BK] per layer (20 MB a row and layer at
-512 tokens in bfloat16, growing with the square of the length; lm/attention.py's table lets `auto` take
-it up to 512). On TPU it changes no number for relu: φ(z) reaches the MXU rounded to bfloat16 either
-way and its sign is kept.
+backward kernel reads it back instead of recomputing it: 16 of its 24 multiply-adds per (query, key,
+d) triple left on the vector unit, for [rows, visible tiles, BQ, d, BK] in memory per layer (20 MiB a
+row and layer at 512 tokens in bfloat16, growing with the square of the length; lm/attention.py's
+table lets `auto` take it up to 512 tokens). On TPU, for relu, the backward pass sees the same numbers
+either way: φ(z) reaches the MXU rounded to bfloat16, and φ' needs only z's sign, which rounding keeps.
 """
 
 import dataclasses
