@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 from launch import kernel_schedule
 from launch.topology import CHIPS, GiB, UsageError, topology_devices
-from lm import cli, flops, sharding
+from lm import attention, cli, flops, sharding
 from lm.experiment import Experiment
 
 
@@ -33,13 +33,13 @@ def argument_bytes(exp: Experiment) -> int:
   return sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape)) for x in leaves)
 
 
-def kernel_schedules(exp: Experiment, topology: str) -> list[dict]:
+def kernel_schedules(exp: Experiment, impls: list[str], topology: str) -> list[dict]:
   """The attention's Pallas kernels (kernel_schedule.TIMED) as the compiler scheduled them for one chip,
-  once per kind of layer that runs them: the compiler's cost analysis gives them no time."""
+  once per kind of layer that runs them (`impls`: each layer's implementation on TPU): the compiler's
+  cost analysis gives them no time."""
   cfg, T = exp.model_cfg, exp.task.seq_len
   # Rows are split over the batch axes only: the kernels take every head on every chip.
   rows = exp.config.train.batch_size // math.prod(exp.mesh.shape[a] for a in sharding.BATCH)
-  impls = [cfg.layer_impl(layer, T, "tpu") for layer in range(cfg.L)]
   untimed = sorted(
       {impl for impl in impls if impl in kernel_schedule.PALLAS and impl not in kernel_schedule.TIMED})
   if untimed:
@@ -141,7 +141,7 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
              optimal_seconds=cost["optimal_seconds"])
   out.update(peak_flops=peak, hbm_bytes_per_second=chip.hbm_bytes_per_second)
   try:
-    schedules, untimed = kernel_schedules(exp, topology), ""
+    schedules, untimed = kernel_schedules(exp, out["attention_impls"], topology), ""
   except RuntimeError as e:  # e.g. a libtpu whose dumps this reader does not know: the rest still holds
     schedules, untimed = [], str(e).strip().splitlines()[-1]
   totals = {f"kernel_{field}": kernel_total(schedules, field) for field in ("cycles", "flops", "hbm_bytes")}
@@ -181,7 +181,7 @@ def format_report(r: dict) -> str:
     fix = ("shard the state: mesh.fsdp (width) or mesh.tensor (heads, MLP, vocabulary)"
            if r["argument_bytes"] > r["hbm_bytes"] /
            2 else "lower train.batch_size, raise train.microbatches, or set model.remat=block")
-    if set(r["attention_impls"]) == {"pallas_hypernetwork_keep_z"}:  # one impl serves every layer
+    if all(map(attention.keeps_z, r["attention_impls"])):  # one impl serves every layer
       fix += ("; or have HYLA's kernels recompute z instead of keeping it (memory that grows with the "
               "square of the length): model.attention_impl=pallas_hypernetwork")
     return "\n".join(lines + [

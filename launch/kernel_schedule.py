@@ -84,7 +84,7 @@ def _kernels(spec: dict, itemsize: int):
   """For the attention implementation spec["impl"]: its attend function, its kernels' names (forward,
   backward), the grid steps each computes, and the FLOPs and HBM bytes each declares to XLA's cost
   analysis (none for the library's splash kernels)."""
-  from lm import attention_core, attention_hypernetwork as hyper, attention_softmax as softmax
+  from lm import attention, attention_core, attention_hypernetwork as hyper, attention_softmax as softmax
 
   rows, T, H, causal = spec["rows"], spec["seq_len"], spec["heads"], spec["causal"]
   if spec["impl"] == "splash":
@@ -92,7 +92,7 @@ def _kernels(spec: dict, itemsize: int):
     return attend, (softmax.SPLASH_FORWARD,
                     softmax.SPLASH_BACKWARD), rows * H * softmax.splash_visible_blocks(T, causal), {}
   knobs = attention_core.Knobs(**spec["knobs"])
-  keep_z = spec["impl"] == "pallas_hypernetwork_keep_z"
+  keep_z = attention.keeps_z(spec["impl"])
   attend = functools.partial(hyper.attend_pallas_hypernetwork, knobs=knobs, causal=causal, keep_z=keep_z)
   declared = hyper.kernel_costs(knobs, causal, (rows, H, T, spec["head_dim"]), itemsize, keep_z)
   return attend, (hyper.FORWARD, hyper.BACKWARD), rows * hyper.visible_tiles(T, causal), declared

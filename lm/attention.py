@@ -146,6 +146,13 @@ class Call(NamedTuple):
   positions: bool = False  # explicit query and key positions (a decoding cache)
 
 
+def keeps_z(name: str) -> bool:
+  """Whether implementation `name` keeps the hypernetwork's z from the forward pass (memory that grows
+  with the square of the length)."""
+  fn = IMPLS[name].fn
+  return isinstance(fn, functools.partial) and fn.keywords.get("keep_z", False)
+
+
 def unsupported(name: str, knobs: Knobs, call: Call) -> str | None:
   """Why implementation `name` cannot serve this call (with the fix), or None when it can."""
   impl = IMPLS[name]

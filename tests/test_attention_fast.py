@@ -296,6 +296,7 @@ def test_auto_picks_a_memory_linear_implementation_for_every_variant(dropout):
   assert _chosen("hyla", t=512)["tpu"] == _chosen("hyla_no_rms_head",
                                                   t=512)["tpu"] == "pallas_hypernetwork_keep_z"
   assert _chosen("hyla", t=640)["tpu"] == "pallas_hypernetwork"
+  assert [name for name in attention.IMPLS if attention.keeps_z(name)] == ["pallas_hypernetwork_keep_z"]
   assert _chosen("hyla_softmax")["tpu"] == "blocked"  # softmax couples the keys: not in the kernels
   assert _chosen("hyla", bias=True)["tpu"] == "blocked" and _chosen("hyla", dropout=True)["tpu"] == "blocked"
   assert set(_chosen("linear", bias=True).values()) == {"blocked"}
