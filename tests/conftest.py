@@ -9,8 +9,13 @@ import uuid
 import numpy as np
 import pytest
 from gcs_emulator import Emulator
+from small import FAST_CPU_COMPILE
 
 from data_pipelines import records, tokenizer
+
+# Read when JAX starts its backends, which no import above does; processes the tests start inherit it
+# (tests/small.py).
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_CPU_COMPILE}".strip()
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wise kings sing of "
          "green hills and silver rivers under an old moon").split()

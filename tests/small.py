@@ -11,6 +11,19 @@ from tensorboardX.record_writer import masked_crc32c
 
 from configs import tiny
 
+# XLA's CPU backend compiles without LLVM's optimisations in the tests (tests/conftest.py sets this for
+# the test process and, through the environment, the processes tests start): most tests compile many
+# small programs and run each a few steps, and compiling was most of their time (a small model's train
+# step: 2.5 s -> 1.4 s to compile, its steps twice as slow). The tests' assertions hold either way;
+# lm-compile's TPU compilation gives the same figures with it (checked on configs/c4_50m.py).
+FAST_CPU_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(devices: int) -> str:
+  """XLA_FLAGS for a test's subprocess on `devices` CPU devices."""
+  return f"{FAST_CPU_COMPILE} --xla_force_host_platform_device_count={devices}"
+
+
 # One compilation cache for every test run of the small model, in-process or in a subprocess: tests
 # that train it again (resumed, killed, on another workdir) load its programs instead of compiling
 # them. Entries are keyed by the program, its flags and JAX's version, so sharing changes no result.

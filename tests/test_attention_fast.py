@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend import core as jax_core
+from small import xla_flags
 
 from lm import (
     attention,
@@ -219,7 +220,7 @@ def test_pallas_hypernetwork_on_each_device_of_a_mesh():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
       print("equal")
       """)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                           timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert result.stdout.strip().endswith("equal"), result.stderr[-3000:]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+from small import xla_flags
 
 from lm import run_log
 
@@ -15,7 +16,7 @@ HERE = os.path.dirname(__file__)
 
 
 def _env(devices: int) -> dict:
-  return {**os.environ, "PYTHONPATH": HERE, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  return {**os.environ, "PYTHONPATH": HERE, "XLA_FLAGS": xla_flags(devices)}
 
 
 def test_meshes_and_microbatches_give_the_same_losses(small_corpus):
@@ -30,7 +31,7 @@ def test_meshes_and_microbatches_give_the_same_losses(small_corpus):
   flat = all_reduces["4 devices data=4, 2 microbatches"]
   assert flat["sums_on_devices"] and flat["shapes"] == [f"f32[{flat['parameters'] + 2}]{{0}}"], flat
   # Parameters split over fsdp and tensor: jit partitions the step and places the sums itself.
-  assert not all_reduces["16 devices, 2 microbatches"]["sums_on_devices"]
+  assert not all_reduces["16 devices data=4 fsdp=2 tensor=2, 2 microbatches"]["sums_on_devices"]
   lm_losses = by_model["language model"]["1 device"]
   assert lm_losses[-1] < lm_losses[0]
   for model, losses in by_model.items():

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from small import small_config
+from small import FAST_CPU_COMPILE, small_config, xla_flags
 
 from configs import tiny
 from data_pipelines import pipeline, sources
@@ -270,12 +270,12 @@ def test_cpu_devices_split_the_host_and_a_run_resumes_on_another_count(small_cor
                     f"  c = small_config({str(small_corpus)!r})\n  c.train.steps = 4\n  c.cpu_devices = 2\n"
                     f"  return c\n")
   env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = FAST_CPU_COMPILE  # no forced device count
   cmd = [sys.executable, "-m", "lm.train", f"--config={config}", f"--workdir={tmp_path / 'run'}"]
   first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
   assert first.returncode == 0, first.stderr[-3000:]
   assert "1 process, 2 devices, mesh {'data': 2, 'fsdp': 1, 'tensor': 1}" in first.stdout
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  env["XLA_FLAGS"] = xla_flags(4)
   again = subprocess.run([*cmd, "--config.train.steps=6"], capture_output=True, text=True, env=env,
                          timeout=300)
   assert again.returncode == 0, again.stderr[-3000:]

@@ -42,9 +42,8 @@ def main():
   results = {}
   meshes = {
       "1 device": (dict(data=1, fsdp=1, tensor=1), 1, 1),
-      "16 devices data=4 fsdp=2 tensor=2": (dict(data=4, fsdp=2, tensor=2), 16, 1),
       "8 devices fsdp=8": (dict(data=1, fsdp=8, tensor=1), 8, 1),
-      "16 devices, 2 microbatches": (dict(data=4, fsdp=2, tensor=2), 16, 2),
+      "16 devices data=4 fsdp=2 tensor=2, 2 microbatches": (dict(data=4, fsdp=2, tensor=2), 16, 2),
       "4 devices data=4, 2 microbatches": (dict(data=4, fsdp=1, tensor=1), 4, 2),
   }
   for name, (mesh, n, k) in meshes.items():
