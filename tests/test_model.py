@@ -19,6 +19,13 @@ def _model(**kw):
   return m, m.init(jax.random.key(1), tokens_bt)["params"], tokens_bt
 
 
+def _output_and_grads(model, params, tokens_bt):
+  """The model's output and the gradient of the sum of its squares, as one jitted program (op by op,
+  every operation compiles on its own, which took most of these tests' time)."""
+  loss = lambda p: jnp.sum(model.apply({"params": p}, tokens_bt)**2)
+  return jax.jit(lambda p: (model.apply({"params": p}, tokens_bt), jax.grad(loss)(p)))(params)
+
+
 @pytest.mark.parametrize("name", list(attention.PRESETS))
 def test_every_preset_is_causal_end_to_end(name):
   m, params, tokens_bt = _model(attention=name)
@@ -133,26 +140,22 @@ def test_rope_by_product_rotates_as_rotary_does():
   keys = jax.random.split(jax.random.key(2), len(leaves))
   params = tree.unflatten([p + 0.1 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
   fused = model_lib.Transformer(model_lib.ModelConfig(**kw, rope_by_product=True))
-  np.testing.assert_allclose(fused.apply({"params": params}, tokens_bt),
-                             m.apply({"params": params}, tokens_bt), rtol=1e-5, atol=1e-5)
-  loss = lambda model: lambda p: jnp.sum(model.apply({"params": p}, tokens_bt)**2)
+  (out, grads), (ref, ref_grads) = (_output_and_grads(x, params, tokens_bt) for x in (fused, m))
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
   # Gradients sum the two products' parts in another order: float32 rounding of the largest entry.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max()),
-               jax.grad(loss(fused))(params),
-               jax.grad(loss(m))(params))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max()), grads,
+               ref_grads)
 
 
 def test_remat_and_bfloat16_keep_the_function():
   m, params, tokens_bt = _model(attention="hyla")
-  ref = m.apply({"params": params}, tokens_bt)
-  loss = lambda model: lambda p: jnp.sum(model.apply({"params": p}, tokens_bt)**2)
-  ref_grads = jax.grad(loss(m))(params)
+  ref, ref_grads = _output_and_grads(m, params, tokens_bt)
   for remat in ("mlp", "block"):
     recompute = model_lib.Transformer(
         model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla", remat=remat))
-    np.testing.assert_allclose(recompute.apply({"params": params}, tokens_bt), ref, rtol=1e-5, atol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
-                 jax.grad(loss(recompute))(params), ref_grads)
+    out, grads = _output_and_grads(recompute, params, tokens_bt)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads, ref_grads)
   bf16 = model_lib.Transformer(
       model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla", dtype="bfloat16"))
   out = bf16.apply({"params": params}, tokens_bt)
@@ -278,8 +281,8 @@ def test_readout_last_is_the_full_models_last_rows_with_dropout_and_gradients(na
   full, last = run(params, 0), run(params, 4)
   assert last.shape == (2, 4, 50)
   np.testing.assert_allclose(last, full[:, -4:], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(m.apply({"params": params}, tokens_bt, readout_last=1),
-                             m.apply({"params": params}, tokens_bt)[:, -1:], rtol=1e-5, atol=1e-6)
+  deterministic = jax.jit(lambda p, n: m.apply({"params": p}, tokens_bt, readout_last=n), static_argnums=1)
+  np.testing.assert_allclose(deterministic(params, 1), deterministic(params, 0)[:, -1:], rtol=1e-5, atol=1e-6)
   weights_v = jnp.arange(50.0) / 50
   grads = [
       jax.jit(jax.grad(lambda p, n=n, s=s: jnp.sum(jnp.tanh(run(p, n)[:, s:]) * weights_v)))(params)
@@ -327,12 +330,10 @@ def test_bfloat16_products_stay_closer_to_float32_than_bfloat16_compute():
   """Rounding only the products' operands: outputs and every parameter's gradient are nearer the
   float32 model's than those of model.dtype="bfloat16" (which rounds everything), and float32."""
   m, params, tokens_bt = _model(attention="hyla")
-  loss = lambda model: lambda p: jnp.sum(model.apply({"params": p}, tokens_bt)**2)
-  ref, ref_grads = m.apply({"params": params}, tokens_bt), jax.grad(loss(m))(params)
+  ref, ref_grads = _output_and_grads(m, params, tokens_bt)
   errors = {}
   for kw in (dict(matmul_dtype="bfloat16"), dict(dtype="bfloat16")):
-    other = model_lib.Transformer(dataclasses.replace(m.cfg, **kw))
-    out, grads = other.apply({"params": params}, tokens_bt), jax.grad(loss(other))(params)
+    out, grads = _output_and_grads(model_lib.Transformer(dataclasses.replace(m.cfg, **kw)), params, tokens_bt)
     assert out.dtype == jnp.float32 and all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
     relative = jax.tree.map(lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)), grads, ref_grads)
     errors[kw.popitem()[0]] = (float(jnp.abs(out - ref).max()), max(jax.tree.leaves(relative)))
