@@ -22,8 +22,13 @@ def _model(**kw):
 def _output_and_grads(model, params, tokens_bt):
   """The model's output and the gradient of the sum of its squares, as one jitted program (op by op,
   every operation compiles on its own, which took most of these tests' time)."""
-  loss = lambda p: jnp.sum(model.apply({"params": p}, tokens_bt)**2)
-  return jax.jit(lambda p: (model.apply({"params": p}, tokens_bt), jax.grad(loss)(p)))(params)
+
+  def loss(p):
+    out = model.apply({"params": p}, tokens_bt)
+    return jnp.sum(out**2), out
+
+  grads, out = jax.jit(jax.grad(loss, has_aux=True))(params)
+  return out, grads
 
 
 @pytest.mark.parametrize("name", list(attention.PRESETS))
