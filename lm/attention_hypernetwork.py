@@ -29,9 +29,12 @@ bundles, but key-major, and the transposes to and from the per-query products' l
 that (docs/compile_table.md).
 
 The backward pass is one kernel that walks query blocks for each key block, recomputes each tile, and
-accumulates dk and dv on chip; each tile's share of dq goes to a partial per key block (float32, summed
-by XLA), since two kernels in flash attention's split would each redo the tile's vector work, most of
-the time. Causal tiles wholly above the diagonal are neither computed nor fetched.
+accumulates dk and dv on chip, since two kernels in flash attention's split would each redo the tile's
+vector work, most of the time. dq is accumulated on chip too, for the whole row ([T, H, d] in float32,
+2 KiB a token at H x d = 512), and written once, when the last key block has added its share; the
+output's block index stays put until then, so nothing is written before (it was a float32 partial per
+key block, written to HBM and summed by XLA: 0.75 GB per chip and step for configs/c4_50m.py).
+Causal tiles wholly above the diagonal are neither computed nor fetched.
 No bias, no dropout: lm/attention.py's table sends those calls to the blocked kernel.
 
 keep_z: the forward kernel also writes each visible tile's z to HBM, in the compute dtype, and the
@@ -203,37 +206,40 @@ def _forward_kernel(*refs, static, segments):
 
 
 def _backward_kernel(*refs, static, segments):
-  """dk and dv accumulated over the query blocks of key block j; each tile's share of dq written to
-  its own block of the [key blocks, ...] partials (zeros where the tile is not visible)."""
+  """dk and dv accumulated over the query blocks of key block j, dq over the key blocks of the row
+  (dq_acc [query blocks, H, BQ, d]), written at the last key block."""
   q_ref, k_ref, vt_ref, g_ref = refs[:4]
   z_ref = refs[4] if static.keep_z else None
   segq_ref, segk_ref = refs[4 + static.keep_z:][:2] if segments else (None, None)
-  dq_ref, dk_ref, dvt_ref, dk_acc_ref, dvt_acc_ref = refs[-5:]
+  dq_ref, dk_ref, dvt_ref, dq_acc_ref, dk_acc_ref, dvt_acc_ref = refs[-6:]
   j, i = pl.program_id(1), pl.program_id(2)
   _, H, bq, d = q_ref.shape
   bk = k_ref.shape[2]
-  visible = core.block_visible(static.causal, i, j, bq, bk)
 
   @pl.when(i == 0)
   def _():
     dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
     dvt_acc_ref[...] = jnp.zeros(dvt_acc_ref.shape, jnp.float32)
 
-  @pl.when(visible)
+  @pl.when(j == 0)
+  def _():
+    dq_acc_ref[i] = jnp.zeros(dq_acc_ref.shape[1:], jnp.float32)
+
+  @pl.when(core.block_visible(static.causal, i, j, bq, bk))
   def _():
     a_1hqk, ds_1hqk, dz_qdk = _tile_grads(static, i * bq, j * bk, q_ref, k_ref, vt_ref, g_ref, segq_ref,
                                           segk_ref, z_ref)
     contract_q = (((0,), (0,)), ((), ()))
     for h in range(H):
       ds_qk = ds_1hqk[0, h].astype(q_ref.dtype)
-      dq_ref[0, 0, h] = jnp.dot(ds_qk, k_ref[0, h], preferred_element_type=jnp.float32) * d**-0.5
+      dq_acc_ref[i, h] += jnp.dot(ds_qk, k_ref[0, h], preferred_element_type=jnp.float32) * d**-0.5
       dk_acc_ref[h] += jax.lax.dot_general(ds_qk, q_ref[0, h], contract_q,
                                            preferred_element_type=jnp.float32) * d**-0.5
       dvt_acc_ref[h] += (a_1hqk[0, h][:, None, :] * dz_qdk).sum(0)
 
-  @pl.when(jnp.logical_not(visible))
+  @pl.when(j == pl.num_programs(1) - 1)
   def _():
-    dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
+    dq_ref[0] = dq_acc_ref[i].astype(dq_ref.dtype)
 
   @pl.when(i == pl.num_programs(2) - 1)
   def _():
@@ -283,9 +289,9 @@ def kernel_costs(knobs: core.Knobs, causal: bool, shape, itemsize: int,
                  keep_z: bool = False) -> dict[str, pl.CostEstimate]:
   """Each kernel's work for q, k, v of `shape` [B, H, T, d], as XLA's cost analysis counts it: H x d
   multiply-adds per pair of every visible tile and product (3 forward, 8 backward; 7 with keep_z), and
-  HBM traffic. Forward: q and the output once, k and vᵀ once per visible tile; backward: k, vᵀ, dk and
-  dvᵀ once, the float32 dq partials of every key block once, q and g once per visible tile; with
-  keep_z, every visible tile's z written forward and read backward."""
+  HBM traffic. Forward: q and the output once, k and vᵀ once per visible tile; backward: k, vᵀ, dq, dk
+  and dvᵀ once, q and g once per visible tile; with keep_z, every visible tile's z written forward and
+  read backward."""
   B, H, T, d = shape
   tiles = visible_tiles(T, causal)
   row = H * d * itemsize
@@ -297,17 +303,18 @@ def kernel_costs(knobs: core.Knobs, causal: bool, shape, itemsize: int,
         transcendentals=B * tiles * BLOCK_Q * BLOCK_K * (knobs.normalization == "rms_head"),
         bytes_accessed=B * row * (outer_arrays * T + inner_arrays * tiles * BLOCK_K) + z_bytes)
 
-  return {FORWARD: cost(3, 2, 2), BACKWARD: cost(8 - keep_z, 4 + 2 * (T // BLOCK_K), 2)}
+  return {FORWARD: cost(3, 2, 2), BACKWARD: cost(8 - keep_z, 5, 2)}
 
 
 def _costs(static: _Static, q_bhtd) -> dict[str, pl.CostEstimate]:
   return kernel_costs(static.knobs, static.causal, q_bhtd.shape, q_bhtd.dtype.itemsize, static.keep_z)
 
 
-def _params(static: _Static):
+def _params(static: _Static, semantics: tuple[str, ...], scratch_bytes: int = 0):
   return dict(
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
-                                           vmem_limit_bytes=VMEM_LIMIT), interpret=static.interpret)
+      compiler_params=pltpu.CompilerParams(dimension_semantics=semantics,
+                                           vmem_limit_bytes=VMEM_LIMIT + scratch_bytes),
+      interpret=static.interpret)
 
 
 def _check(shape):
@@ -342,7 +349,7 @@ def _core_fwd(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt):
       scratch_shapes=[pltpu.VMEM((BLOCK_Q, H, d), jnp.float32)],
       cost_estimate=_costs(static, q_bhtd)[FORWARD],
       name=FORWARD,
-      **_params(static),
+      **_params(static, ("parallel", "parallel", "arbitrary")),
   )(q_bhtd, k_bhtd, vt_bhdt, *_segment_args(seg_bt))
   return out, (q_bhtd, k_bhtd, vt_bhdt, seg_bt, z)
 
@@ -353,29 +360,32 @@ def _core_bwd(static, residuals, g_bhtd):
   segments = seg_bt is not None
   args = (q_bhtd, k_bhtd, vt_bhdt, g_bhtd.astype(q_bhtd.dtype), *z, *_segment_args(seg_bt))
   # One pass over the tiles for all three gradients (the tiles' vector work is most of the kernel's
-  # time); dq's share from each key block goes to its own partial, summed here.
-  nk = T // BLOCK_K
-  dq_partials, dk, dvt = pl.pallas_call(
+  # time). dq's block index moves only at the last key block, where the kernel writes it (module
+  # docstring); the row's dq accumulator carries over key blocks, so they run in order.
+  nk, nq = T // BLOCK_K, T // BLOCK_Q
+  dq_acc = pltpu.VMEM((nq, H, BLOCK_Q, d), jnp.float32)
+  dq, dk, dvt = pl.pallas_call(
       functools.partial(_backward_kernel, static=static, segments=segments),
-      grid=(B, nk, T // BLOCK_Q),
+      grid=(B, nk, nq),
       in_specs=_specs(static, q_bhtd.shape, segments, keys_outer=True, with_g=True)[0],
       out_specs=[
-          pl.BlockSpec((1, 1, H, BLOCK_Q, d), lambda b, j, i: (j, b, 0, i, 0)),
+          pl.BlockSpec((1, H, BLOCK_Q, d), lambda b, j, i: (b, 0, jnp.where(j == nk - 1, i, 0), 0)),
           pl.BlockSpec((1, H, BLOCK_K, d), lambda b, j, i: (b, 0, j, 0)),
           pl.BlockSpec((1, H, d, BLOCK_K), lambda b, j, i: (b, 0, 0, j)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((nk,) + q_bhtd.shape, jnp.float32),
+          jax.ShapeDtypeStruct(q_bhtd.shape, q_bhtd.dtype),
           jax.ShapeDtypeStruct(k_bhtd.shape, k_bhtd.dtype),
           jax.ShapeDtypeStruct(vt_bhdt.shape, vt_bhdt.dtype)
       ],
-      scratch_shapes=[pltpu.VMEM((H, BLOCK_K, d), jnp.float32),
-                      pltpu.VMEM((H, d, BLOCK_K), jnp.float32)],
+      scratch_shapes=[
+          dq_acc, pltpu.VMEM((H, BLOCK_K, d), jnp.float32),
+          pltpu.VMEM((H, d, BLOCK_K), jnp.float32)
+      ],
       cost_estimate=_costs(static, q_bhtd)[BACKWARD],
       name=BACKWARD,
-      **_params(static),
+      **_params(static, ("parallel", "arbitrary", "arbitrary"), nq * H * BLOCK_Q * d * 4),
   )(*args)
-  dq = dq_partials.sum(0).astype(q_bhtd.dtype)
   return dq, dk, dvt, None
 
 

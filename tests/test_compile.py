@@ -200,7 +200,7 @@ def test_the_compiler_counts_what_the_kernels_declare(monkeypatch):
 
   declared = attention_hypernetwork.kernel_costs(knobs, True, (1, 2, 256, 64), 2).values()
   once = cost()
-  # Beside the kernels, XLA's few element-wise operations (the loss, dq's partial sums).
+  # Beside the kernels, XLA's few element-wise operations (the loss).
   assert 0 <= once["flops"] - sum(c.flops for c in declared) < 1e-3 * once["flops"]
   kernel_costs = attention_hypernetwork.kernel_costs
   monkeypatch.setattr(
