@@ -63,6 +63,9 @@ from lm import attention_core as core
 BLOCK_Q, BLOCK_K = 128, 128
 FORWARD, BACKWARD = "hypernetwork_fwd", "hypernetwork_bwd"  # the kernels' pallas_call names
 VMEM_LIMIT = 32 * 2**20
+# The backward kernel's float32 dq for a whole row, on top of VMEM_LIMIT: 1 MiB at c4_50m's 512 tokens,
+# 8 heads of 64; this much reaches 32,768 tokens there and stays inside a v5e chip's VMEM.
+DQ_ACC_LIMIT = 64 * 2**20
 
 
 def attend_pallas_hypernetwork(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: core.Knobs,
@@ -318,10 +321,19 @@ def _params(static: _Static, semantics: tuple[str, ...], scratch_bytes: int = 0)
 
 
 def _check(shape):
-  T = shape[2]
+  _, H, T, d = shape
   if T % BLOCK_K:
     raise ValueError(f"the hypernetwork kernel tiles sequences in blocks of {BLOCK_K}, got length {T}; "
                      f"use a multiple of {BLOCK_K} or impl 'auto'")
+  if _dq_acc_bytes(shape) > DQ_ACC_LIMIT:
+    raise ValueError(f"the hypernetwork kernel keeps a row's dq on chip, {_dq_acc_bytes(shape) / 2**20:.1f} "
+                     f"MiB at {T} tokens and {H} heads of {d} per device, more than its "
+                     f"{DQ_ACC_LIMIT // 2**20} MiB; use impl 'blocked', or split the heads over more devices")
+
+
+def _dq_acc_bytes(shape) -> int:
+  _, H, T, d = shape
+  return T * H * d * 4
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -384,7 +396,7 @@ def _core_bwd(static, residuals, g_bhtd):
       ],
       cost_estimate=_costs(static, q_bhtd)[BACKWARD],
       name=BACKWARD,
-      **_params(static, ("parallel", "arbitrary", "arbitrary"), nq * H * BLOCK_Q * d * 4),
+      **_params(static, ("parallel", "arbitrary", "arbitrary"), _dq_acc_bytes(q_bhtd.shape)),
   )(*args)
   return dq, dk, dvt, None
 

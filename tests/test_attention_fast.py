@@ -358,6 +358,18 @@ def test_shapes_an_impl_cannot_take_fail_clearly(impl, kw, message):
     attention.attend(q, k, v, **knobs, **kw, impl=impl)
 
 
+def test_pallas_hypernetwork_names_a_row_whose_dq_does_not_fit_on_chip():
+  """The backward kernel keeps a row's dq in float32 on chip: 64 MiB reaches 32,768 tokens at 8 heads
+  of 64 per device; one tile more is refused at trace time with the way out, not by the TPU compiler."""
+  knobs = attention.Knobs(**attention.preset("hyla"))
+  kernel = lambda x: attention_hypernetwork.attend_pallas_hypernetwork(x, x, x, knobs=knobs)
+  assert jax.eval_shape(kernel, jax.ShapeDtypeStruct((1, 32768, 8, 64), jnp.bfloat16)).shape[1] == 32768
+  with pytest.raises(
+      ValueError, match="keeps a row's dq on chip, 64.2 MiB at 32896 tokens and 8 heads of 64 "
+      "per device, more than its 64 MiB; use impl 'blocked'"):
+    jax.eval_shape(kernel, jax.ShapeDtypeStruct((1, 32896, 8, 64), jnp.bfloat16))
+
+
 def test_auto_compiles_the_pallas_kernel_for_tpu(v5e_2x2):
   """Softmax and HYLA under impl auto, compiled ahead of time for a v5e mesh (batch and heads sharded),
   run their Pallas kernels forward and backward (splash: a forward and a fused backward kernel; the
