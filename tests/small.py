@@ -2,8 +2,11 @@
 tiny size, and reading what a run wrote; importable from config files that tests hand to `lm-train`
 in a subprocess, so it imports nothing that defines flags."""
 
+import os
 import pathlib
 import struct
+import subprocess
+import sys
 
 from etils import epath
 from tensorboardX.proto import event_pb2
@@ -22,6 +25,14 @@ FAST_CPU_COMPILE = "--xla_backend_optimization_level=0"
 def xla_flags(devices: int) -> str:
   """XLA_FLAGS for a test's subprocess on `devices` CPU devices."""
   return f"{FAST_CPU_COMPILE} --xla_force_host_platform_device_count={devices}"
+
+
+def python_on_cpu_devices(script: str, devices: int) -> subprocess.CompletedProcess:
+  """Python source run in a fresh process on `devices` CPU devices, from the repository's root (a
+  process's device count is fixed when JAX starts)."""
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                        cwd=pathlib.Path(__file__).resolve().parents[1])
 
 
 # One compilation cache for every test run of the small model, in-process or in a subprocess: tests

@@ -1,9 +1,6 @@
 """The fast attention implementations against impl="reference": values, gradients, memory, kernels."""
 
 import itertools
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -11,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend import core as jax_core
-from small import xla_flags
+from small import python_on_cpu_devices
 
 from lm import (
     attention,
@@ -220,9 +217,7 @@ def test_pallas_hypernetwork_on_each_device_of_a_mesh():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
       print("equal")
       """)
-  env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  result = python_on_cpu_devices(script, devices=4)
   assert result.stdout.strip().endswith("equal"), result.stderr[-3000:]
 
 

@@ -3,15 +3,13 @@ the same loss and gradients as the plain form, alone and under a mesh; auto take
 and compiles the kernels for TPU."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from small import xla_flags
+from small import python_on_cpu_devices
 
 from lm import cross_entropy
 
@@ -141,9 +139,7 @@ def test_kernels_and_the_fused_form_under_a_mesh_sum_the_readouts_gradient_over_
           np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
       print("equal")
       """)
-  env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          timeout=600)
+  result = python_on_cpu_devices(script, devices=4)
   assert result.stdout.strip().endswith("equal"), result.stderr[-3000:]
 
 
