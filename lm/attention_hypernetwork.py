@@ -33,8 +33,8 @@ accumulates dk and dv on chip, since two kernels in flash attention's split woul
 vector work, most of the time. dq is accumulated on chip too, for the whole row ([T, H, d] in float32,
 2 KiB a token at H x d = 512), and written once, when the last key block has added its share; the
 output's block index stays put until then, so nothing is written before (it was a float32 partial per
-key block, written to HBM and summed by XLA: 0.75 GB per chip and step for configs/c4_50m.py).
-Causal tiles wholly above the diagonal are neither computed nor fetched.
+key block, written to HBM and summed by XLA: 1.4 GB per chip and step by the compiler's count for
+configs/c4_50m.py). Causal tiles wholly above the diagonal are neither computed nor fetched.
 No bias, no dropout: lm/attention.py's table sends those calls to the blocked kernel.
 
 keep_z: the forward kernel also writes each visible tile's z to HBM, in the compute dtype, and the
