@@ -2,10 +2,11 @@
 
 Usage: mesh_losses.py CORPUS_DIR → prints JSON {model: {mesh name: [losses]}}: the language model on
 the corpus at 128 tokens (a length the TPU kernels take, whose branch initialisation traces on one row,
-which every mesh must shard), and SRAVEN with attention dropout (one mask per step, shared over the batch however the
-batch is split: over devices, as cpu_devices does on a CPU host, and into microbatches); and under
-"all-reduces", for each mesh, the shapes of the all-reduces in its compiled train step (on CPU, with
-the parameters whole on every device, the step sums the gradients itself, as one vector).
+which every mesh must shard), and SRAVEN with attention dropout (one mask per step, shared over the
+batch however the batch is split: over devices, as cpu_devices does on a CPU host, and into
+microbatches); and under "all-reduces", for each mesh, the shapes of the all-reduces in its compiled
+train step (on CPU, with the parameters whole on every device, the step sums the gradients itself, as
+one vector).
 """
 
 import json
@@ -22,10 +23,10 @@ from lm.train import HostData
 ALL_REDUCES = {}
 
 
-def losses(config, devices, steps=6, name=None):
+def losses(config, devices, name=None):
   exp = Experiment(config, devices)
   data, state, out = HostData(exp), exp.init_state(), []
-  for _ in range(steps):
+  for _ in range(6):
     state, stats = exp.train_step(state, exp.global_batch(data.next()))
     out.append(float(stats["loss"]))
   if name:
