@@ -160,11 +160,34 @@ def _z(a_1hqk, vt_hdk) -> jax.Array:
   return jnp.stack([_sum_heads([a_1hqk[0, h, q][None] * vt_hdk[h] for h in range(H)]) for q in range(bq)])
 
 
+def _da(da_out_qhk, dz_qdk, vt_hdk, dtype) -> jax.Array:
+  """The weights' cotangent [H, BQ, BK]: da_out_qhk, the part through the output, plus Σ_d dz · v_h,
+  the part through z. In bfloat16 that sum goes query by query: the products on the vector unit,
+  rounded to bfloat16, and each head's sum over d on the MXU, as a product with a row of ones in that
+  head's row (on the vector unit the sums over d, adds then a reduction across sublanes and the rows
+  put back together, were a third of the backward kernel's schedule). Float32 operands would take the
+  MXU twice the pushes, and their spills outgrow the kernel's VMEM: there the sums stay on the vector
+  unit."""
+  H, d = vt_hdk.shape[:2]
+  if jnp.dtype(dtype).itemsize > 2:
+    da_z_hqk = jnp.stack([jnp.stack([(dz_dk * vt_hdk[h]).sum(0) for dz_dk in dz_qdk]) for h in range(H)])
+    return jnp.swapaxes(da_out_qhk, 0, 1) + da_z_hqk
+  rows_hd = jax.lax.broadcasted_iota(jnp.int32, (H, d), 0)
+  ones_hd = [(rows_hd == h).astype(dtype) for h in range(H)]
+  da_z_qhk = jnp.stack([
+      _sum_heads([
+          jnp.dot(ones_hd[h], (dz_dk * vt_hdk[h]).astype(dtype), preferred_element_type=jnp.float32)
+          for h in range(H)
+      ])
+      for dz_dk in dz_qdk
+  ])
+  return jnp.swapaxes(da_out_qhk + da_z_qhk, 0, 1)
+
+
 def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref):
   """The tile's weights a [1, H, BQ, BK], the cotangent ds [1, H, BQ, BK] of the scaled scores (the
   caller applies 1/sqrt(d) for dq and dk) and dz [BQ, d, BK], given the output's cotangent g [H, BQ, d];
   z read from z_ref when the forward pass kept it, else recomputed."""
-  H = q_ref.shape[1]
   segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
   mask_11qk, normalize_pullback, a_1hqk, vt_hdk = _tile(static, q0, k0, q_ref[0], k_ref, vt_ref, segq_q1,
                                                         segk_1k)
@@ -174,8 +197,7 @@ def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, 
   a_qhk = jnp.swapaxes(a_1hqk[0], 0, 1)
   dz_qdk = phi_pullback(_per_query(g_qhd, a_qhk, 1, 1))[0]
   # a_h's cotangent: through the output (Σ_d g_h · φ(z)) and through z (Σ_d dz · v_h).
-  da_z_hqk = jnp.stack([jnp.stack([(dz_q * vt_hdk[h]).sum(0) for dz_q in dz_qdk]) for h in range(H)])
-  da_1hqk = (jnp.swapaxes(_per_query(g_qhd, p_qdk, 2, 1), 0, 1) + da_z_hqk)[None]
+  da_1hqk = _da(_per_query(g_qhd, p_qdk, 2, 1), dz_qdk, vt_hdk, q_ref.dtype)[None]
   ds_1hqk = normalize_pullback(da_1hqk)[0]
   if mask_11qk is not None:
     ds_1hqk = jnp.where(mask_11qk, ds_1hqk, 0.0)
