@@ -26,7 +26,7 @@ compiler keeps in registers (the schedule: backward 21,130 bundles a tile to 19,
 5,997; grouping 2, 4 or 8 queries does worse). The products that contract per key (z, Σ_d dz v_h,
 dv) stay on the vector unit: batched over keys, the MXU computes z in a third of the vector unit's
 bundles, but key-major, and the transposes to and from the per-query products' layout cost more than
-that (docs/compile_table.md).
+that (docs/compile_table.md). Only the sums over d of dz v_h leave it, in bfloat16 (`_da`).
 
 The backward pass is one kernel that walks query blocks for each key block, recomputes each tile, and
 accumulates dk and dv on chip, since two kernels in flash attention's split would each redo the tile's
@@ -193,11 +193,12 @@ def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, 
                                                         segk_1k)
   z_qdk = _z(a_1hqk, vt_hdk) if z_ref is None else z_ref[0, 0].astype(jnp.float32)
   p_qdk, phi_pullback = jax.vjp(core.NONLINEARITIES[static.knobs.nonlinearity], z_qdk)
-  g_qhd = jnp.swapaxes(g_ref[0].astype(jnp.float32), 0, 1)
-  a_qhk = jnp.swapaxes(a_1hqk[0], 0, 1)
-  dz_qdk = phi_pullback(_per_query(g_qhd, a_qhk, 1, 1))[0]
+  # φ(z)'s cotangent Σ_h g_h a_h with operands in the compute dtype, as the MXU rounds them on TPU
+  # anyway: g as it arrives, a rounded (in bfloat16, half the MXU's pushes of float32 operands).
+  g_qhd = jnp.swapaxes(g_ref[0], 0, 1)
+  dz_qdk = phi_pullback(_per_query(g_qhd, jnp.swapaxes(a_1hqk[0], 0, 1).astype(g_qhd.dtype), 1, 1))[0]
   # a_h's cotangent: through the output (Σ_d g_h · φ(z)) and through z (Σ_d dz · v_h).
-  da_1hqk = _da(_per_query(g_qhd, p_qdk, 2, 1), dz_qdk, vt_hdk, q_ref.dtype)[None]
+  da_1hqk = _da(_per_query(g_qhd.astype(jnp.float32), p_qdk, 2, 1), dz_qdk, vt_hdk, q_ref.dtype)[None]
   ds_1hqk = normalize_pullback(da_1hqk)[0]
   if mask_11qk is not None:
     ds_1hqk = jnp.where(mask_11qk, ds_1hqk, 0.0)
