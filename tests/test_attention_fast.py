@@ -224,10 +224,11 @@ def test_pallas_hypernetwork_on_each_device_of_a_mesh():
 @pytest.mark.parametrize("mxu_operands", ["float32", "bfloat16"])
 def test_pallas_hypernetwork_in_bfloat16(mxu_operands, monkeypatch):
   """The model's compute dtype: outputs and gradients come back in bfloat16, as close to the float32
-  definition as the reference computed in bfloat16 (the kernels compute the tile in float32). On TPU
-  the per-query products on the MXU round their operands to bfloat16 (its default precision), which
-  the interpreter does not: emulated here by rounding them before the product, with z kept from the
-  forward pass in bfloat16, as auto runs the kernels at 512 tokens on TPU."""
+  definition as the reference computed in bfloat16 (the kernels compute the tile in float32, and round
+  to bfloat16 what they hand the MXU in the backward pass's sums over d and φ(z)'s cotangent). On TPU
+  the other per-query products on the MXU round their operands to bfloat16 too (its default
+  precision), which the interpreter does not: emulated here by rounding them before the product, with
+  z kept from the forward pass in bfloat16, as auto runs the kernels at 512 tokens on TPU."""
   if mxu_operands == "bfloat16":
     exact_products = attention_hypernetwork._per_query
     rounded = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
