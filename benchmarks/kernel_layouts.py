@@ -39,7 +39,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 # The kernels' own helpers: the heads' sum from the first term, and products batched over the leading
 # axis on the MXU (over queries in the kernels, over keys here).
-_sum, _batched = attention_hypernetwork._sum_heads, attention_hypernetwork._per_query
+_sum, _batched = attention_hypernetwork._sum_terms, attention_hypernetwork._per_query
 
 
 def z_whole_tile(a_ref, v_ref, o_ref):  # a [H, Q, K], vᵀ [H, D, K] -> z [Q, D, K]
@@ -47,10 +47,14 @@ def z_whole_tile(a_ref, v_ref, o_ref):  # a [H, Q, K], vᵀ [H, D, K] -> z [Q, D
   o_ref[...] = _sum([a[h][:, None, :] * vt[h][None] for h in range(H)]).astype(o_ref.dtype)
 
 
-def z_per_query(a_ref, v_ref, o_ref):
+def z_per_query_broadcast(a_ref, v_ref, o_ref):
   a, vt = a_ref[...], v_ref[...].astype(F32)
   o_ref[...] = jnp.stack([_sum([a[h, q][None] * vt[h] for h in range(H)]) for q in range(Q)
                          ]).astype(o_ref.dtype)
+
+
+def z_per_query_rows(a_ref, v_ref, o_ref):  # the kernels' own: each row of a loaded from VMEM alone
+  o_ref[...] = attention_hypernetwork._z(a_ref, v_ref[...].astype(F32)).astype(o_ref.dtype)
 
 
 def z_mxu_kdq(a_ref, v_ref, o_ref):  # a [K, H, Q], v [K, H, D] -> z [K, D, Q]
@@ -76,8 +80,10 @@ def transpose_2d(x_ref, o_ref):  # [K, D·Q] -> [D·Q, K]
 CASES = [
     ("z on the vector unit, [Q, d, K] (keys on lanes), the whole tile per head", z_whole_tile,
      [((H, Q, K), F32), ((H, D, K), BF16)], ((Q, D, K), BF16)),
-    ("z on the vector unit, [Q, d, K], one query at a time (the kernels now)", z_per_query,
-     [((H, Q, K), F32), ((H, D, K), BF16)], ((Q, D, K), BF16)),
+    ("z on the vector unit, [Q, d, K], one query at a time, a's rows broadcast from registers",
+     z_per_query_broadcast, [((H, Q, K), F32), ((H, D, K), BF16)], ((Q, D, K), BF16)),
+    ("the same, a's rows loaded from VMEM one at a time, replicated over sublanes (the kernels now)",
+     z_per_query_rows, [((H, Q, K), F32), ((H, D, K), BF16)], ((Q, D, K), BF16)),
     ("z on the MXU batched over keys, out [K, d, Q]", z_mxu_kdq, [((K, H, Q), F32),
                                                                   ((K, H, D), BF16)], ((K, D, Q), BF16)),
     ("z on the MXU batched over keys, out [K, Q, d]", z_mxu_kqd, [((K, H, Q), F32),

@@ -115,9 +115,9 @@ def _tile_index(causal: bool, i, j, nk: int):
   return jax.lax.div(i * (i + 1), 2) + j if causal else i * nk + j
 
 
-def _sum_heads(terms: list[jax.Array]) -> jax.Array:
-  """Σ of the heads' [BQ, d, BK] terms from the first (Python's sum would add the first to 0: one
-  more pass over the tile on the vector unit)."""
+def _sum_terms(terms: list[jax.Array]) -> jax.Array:
+  """Σ of the terms (the heads', or the queries') from the first (Python's sum would add the first to 0:
+  one more pass on the vector unit)."""
   return functools.reduce(operator.add, terms)
 
 
@@ -154,10 +154,24 @@ def _tile(static: _Static, q0, k0, q_hqd, k_ref, vt_ref, segq_q1, segk_1k):
   return mask_11qk, normalize_pullback, a_1hqk, vt_ref[0].astype(jnp.float32)
 
 
-def _z(a_1hqk, vt_hdk) -> jax.Array:
-  """z [BQ, d, BK] = Σ_h a_h vᵀ_h, one query at a time."""
-  H, bq = a_1hqk.shape[1:3]
-  return jnp.stack([_sum_heads([a_1hqk[0, h, q][None] * vt_hdk[h] for h in range(H)]) for q in range(bq)])
+def _keep_rows(a_ref, a_1hqk) -> None:
+  """Stores the weights a [1, H, BQ, BK] in the scratch a_ref [H, BQ, BK], from which `_row` loads them
+  a row at a time: a row loaded alone comes replicated over the sublanes (a load of sublane stride 0,
+  in the load slots), where a row broadcast from a register took a sublane permute on the vector unit,
+  and the compiler spilled those rather than redo them (forward 6,288 -> 6,067 bundles a grid step,
+  backward 14,750 -> 14,355, benchmarks/kernel_schedule.py)."""
+  a_ref[...] = a_1hqk[0]
+
+
+def _row(a_ref, h: int, q: int) -> jax.Array:
+  """a_h's row of query q, [1, BK], to broadcast over d."""
+  return a_ref[h, pl.ds(q, 1), :]
+
+
+def _z(a_ref, vt_hdk) -> jax.Array:
+  """z [BQ, d, BK] = Σ_h a_h vᵀ_h, one query at a time, a's rows from a_ref (`_keep_rows`)."""
+  H, bq = a_ref.shape[:2]
+  return jnp.stack([_sum_terms([_row(a_ref, h, q) * vt_hdk[h] for h in range(H)]) for q in range(bq)])
 
 
 def _da(da_out_qhk, dz_qdk, vt_hdk, dtype) -> jax.Array:
@@ -175,7 +189,7 @@ def _da(da_out_qhk, dz_qdk, vt_hdk, dtype) -> jax.Array:
   rows_hd = jax.lax.broadcasted_iota(jnp.int32, (H, d), 0)
   ones_hd = [(rows_hd == h).astype(dtype) for h in range(H)]
   da_z_qhk = jnp.stack([
-      _sum_heads([
+      _sum_terms([
           jnp.dot(ones_hd[h], (dz_dk * vt_hdk[h]).astype(dtype), preferred_element_type=jnp.float32)
           for h in range(H)
       ])
@@ -184,14 +198,15 @@ def _da(da_out_qhk, dz_qdk, vt_hdk, dtype) -> jax.Array:
   return jnp.swapaxes(da_out_qhk + da_z_qhk, 0, 1)
 
 
-def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref):
-  """The tile's weights a [1, H, BQ, BK], the cotangent ds [1, H, BQ, BK] of the scaled scores (the
-  caller applies 1/sqrt(d) for dq and dk) and dz [BQ, d, BK], given the output's cotangent g [H, BQ, d];
-  z read from z_ref when the forward pass kept it, else recomputed."""
+def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref, a_ref):
+  """The tile's weights a (kept in a_ref [H, BQ, BK]), the cotangent ds [1, H, BQ, BK] of the scaled
+  scores (the caller applies 1/sqrt(d) for dq and dk) and dz [BQ, d, BK], given the output's
+  cotangent g [H, BQ, d]; z read from z_ref when the forward pass kept it, else recomputed."""
   segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
   mask_11qk, normalize_pullback, a_1hqk, vt_hdk = _tile(static, q0, k0, q_ref[0], k_ref, vt_ref, segq_q1,
                                                         segk_1k)
-  z_qdk = _z(a_1hqk, vt_hdk) if z_ref is None else z_ref[0, 0].astype(jnp.float32)
+  _keep_rows(a_ref, a_1hqk)
+  z_qdk = _z(a_ref, vt_hdk) if z_ref is None else z_ref[0, 0].astype(jnp.float32)
   p_qdk, phi_pullback = jax.vjp(core.NONLINEARITIES[static.knobs.nonlinearity], z_qdk)
   # φ(z)'s cotangent Σ_h g_h a_h with operands in the compute dtype, as the MXU rounds them on TPU
   # anyway: g as it arrives, a rounded (in bfloat16, half the MXU's pushes of float32 operands).
@@ -202,13 +217,13 @@ def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, 
   ds_1hqk = normalize_pullback(da_1hqk)[0]
   if mask_11qk is not None:
     ds_1hqk = jnp.where(mask_11qk, ds_1hqk, 0.0)
-  return a_1hqk, ds_1hqk, dz_qdk
+  return ds_1hqk, dz_qdk
 
 
 def _forward_kernel(*refs, static, segments):
   q_ref, k_ref, vt_ref = refs[:3]
   segq_ref, segk_ref = refs[3:5] if segments else (None, None)
-  out_ref, z_ref, acc_ref = refs[-3:] if static.keep_z else (refs[-2], None, refs[-1])
+  out_ref, z_ref, acc_ref, a_ref = refs[-4:] if static.keep_z else (refs[-3], None, *refs[-2:])
   i, j = pl.program_id(1), pl.program_id(2)
   bq, bk = q_ref.shape[2], k_ref.shape[2]
 
@@ -220,7 +235,8 @@ def _forward_kernel(*refs, static, segments):
   def _():
     segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
     _, _, a_1hqk, vt_hdk = _tile(static, i * bq, j * bk, q_ref[0], k_ref, vt_ref, segq_q1, segk_1k)
-    z_qdk = _z(a_1hqk, vt_hdk)
+    _keep_rows(a_ref, a_1hqk)
+    z_qdk = _z(a_ref, vt_hdk)
     if z_ref is not None:
       z_ref[0, 0] = z_qdk.astype(z_ref.dtype)
     p_qdk = core.NONLINEARITIES[static.knobs.nonlinearity](z_qdk)
@@ -233,11 +249,11 @@ def _forward_kernel(*refs, static, segments):
 
 def _backward_kernel(*refs, static, segments):
   """dk and dv accumulated over the query blocks of key block j, dq over the key blocks of the row
-  (dq_acc [query blocks, H, BQ, d]), written at the last key block."""
+  (dq_acc [query blocks, H, BQ, d]), written at the last key block; a_ref holds the tile's weights."""
   q_ref, k_ref, vt_ref, g_ref = refs[:4]
   z_ref = refs[4] if static.keep_z else None
   segq_ref, segk_ref = refs[4 + static.keep_z:][:2] if segments else (None, None)
-  dq_ref, dk_ref, dvt_ref, dq_acc_ref, dk_acc_ref, dvt_acc_ref = refs[-6:]
+  dq_ref, dk_ref, dvt_ref, dq_acc_ref, dk_acc_ref, dvt_acc_ref, a_ref = refs[-7:]
   j, i = pl.program_id(1), pl.program_id(2)
   _, H, bq, d = q_ref.shape
   bk = k_ref.shape[2]
@@ -253,15 +269,15 @@ def _backward_kernel(*refs, static, segments):
 
   @pl.when(core.block_visible(static.causal, i, j, bq, bk))
   def _():
-    a_1hqk, ds_1hqk, dz_qdk = _tile_grads(static, i * bq, j * bk, q_ref, k_ref, vt_ref, g_ref, segq_ref,
-                                          segk_ref, z_ref)
+    ds_1hqk, dz_qdk = _tile_grads(static, i * bq, j * bk, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref,
+                                  z_ref, a_ref)
     contract_q = (((0,), (0,)), ((), ()))
     for h in range(H):
       ds_qk = ds_1hqk[0, h].astype(q_ref.dtype)
       dq_acc_ref[i, h] += jnp.dot(ds_qk, k_ref[0, h], preferred_element_type=jnp.float32) * d**-0.5
       dk_acc_ref[h] += jax.lax.dot_general(ds_qk, q_ref[0, h], contract_q,
                                            preferred_element_type=jnp.float32) * d**-0.5
-      dvt_acc_ref[h] += (a_1hqk[0, h][:, None, :] * dz_qdk).sum(0)
+      dvt_acc_ref[h] += _sum_terms([_row(a_ref, h, q) * dz_qdk[q] for q in range(bq)])
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _():
@@ -300,6 +316,11 @@ def _specs(static: _Static, shape, segments: bool, *, keys_outer: bool, with_g: 
         pl.BlockSpec((1, 1, bk), lambda b, o, n: (b, 0, ij(o, n)[1])),
     ]
   return specs, tile
+
+
+def _weights_scratch(H: int):
+  """Both kernels' scratch for a tile's weights a (`_keep_rows`)."""
+  return pltpu.VMEM((H, BLOCK_Q, BLOCK_K), jnp.float32)
 
 
 def _segment_args(seg_bt):
@@ -381,7 +402,8 @@ def _core_fwd(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt):
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((BLOCK_Q, H, d), jnp.float32)],
+      scratch_shapes=[pltpu.VMEM((BLOCK_Q, H, d), jnp.float32),
+                      _weights_scratch(H)],
       cost_estimate=_costs(static, q_bhtd)[FORWARD],
       name=FORWARD,
       **_params(static, ("parallel", "parallel", "arbitrary")),
@@ -414,8 +436,10 @@ def _core_bwd(static, residuals, g_bhtd):
           jax.ShapeDtypeStruct(vt_bhdt.shape, vt_bhdt.dtype)
       ],
       scratch_shapes=[
-          dq_acc, pltpu.VMEM((H, BLOCK_K, d), jnp.float32),
-          pltpu.VMEM((H, d, BLOCK_K), jnp.float32)
+          dq_acc,
+          pltpu.VMEM((H, BLOCK_K, d), jnp.float32),
+          pltpu.VMEM((H, d, BLOCK_K), jnp.float32),
+          _weights_scratch(H)
       ],
       cost_estimate=_costs(static, q_bhtd)[BACKWARD],
       name=BACKWARD,
