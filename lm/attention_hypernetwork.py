@@ -127,10 +127,11 @@ def _per_query(x, y, contract_x: int, contract_y: int) -> jax.Array:
                              preferred_element_type=jnp.float32)
 
 
-def _tile(static: _Static, q0, k0, q_hqd, k_ref, vt_ref, segq_q1, segk_1k):
+def _tile(static: _Static, q0, k0, q_hqd, k_ref, vt_ref, segq_q1, segk_1k, a_ref):
   """The tile of queries q_hqd [H, BQ, d] from position q0 and the key block from k0, up to the weights:
-  the mask [BQ, BK] (or None), the normalisation's pullback, the weights a [1, H, BQ, BK] and vᵀ [H, d,
-  BK], float32. segq_q1 [BQ, 1] and segk_1k [1, BK]: segment ids, or None."""
+  the mask [BQ, BK] (or None), the normalisation's pullback, the weights a [1, H, BQ, BK] (also stored
+  in the scratch a_ref [H, BQ, BK], for `_row`) and vᵀ [H, d, BK], float32. segq_q1 [BQ, 1] and segk_1k
+  [1, BK]: segment ids, or None."""
   H, bq, d = q_hqd.shape
   bk = k_ref.shape[2]
   mask = None
@@ -151,25 +152,21 @@ def _tile(static: _Static, q0, k0, q_hqd, k_ref, vt_ref, segq_q1, segk_1k):
     s_1hqk = jnp.where(mask_11qk, s_1hqk, 0.0)
   a_1hqk, normalize_pullback = jax.vjp(
       lambda s: core.normalize(s, mask_11qk, normalization=static.knobs.normalization), s_1hqk)
+  a_ref[...] = a_1hqk[0]
   return mask_11qk, normalize_pullback, a_1hqk, vt_ref[0].astype(jnp.float32)
 
 
-def _keep_rows(a_ref, a_1hqk) -> None:
-  """Stores the weights a [1, H, BQ, BK] in the scratch a_ref [H, BQ, BK], from which `_row` loads them
-  a row at a time: a row loaded alone comes replicated over the sublanes (a load of sublane stride 0,
-  in the load slots), where a row broadcast from a register took a sublane permute on the vector unit,
-  and the compiler spilled those rather than redo them (forward 6,288 -> 6,067 bundles a grid step,
-  backward 14,750 -> 14,355, benchmarks/kernel_schedule.py)."""
-  a_ref[...] = a_1hqk[0]
-
-
 def _row(a_ref, h: int, q: int) -> jax.Array:
-  """a_h's row of query q, [1, BK], to broadcast over d."""
+  """a_h's row of query q, [1, BK], to broadcast over d, loaded from the scratch that `_tile` fills: a
+  row loaded alone comes replicated over the sublanes (a load of sublane stride 0, in the load slots),
+  where a row broadcast from a register took a sublane permute on the vector unit, and the compiler
+  spilled those rather than redo them (forward 6,288 -> 6,067 bundles a grid step, backward 14,750 ->
+  14,355, benchmarks/kernel_schedule.py)."""
   return a_ref[h, pl.ds(q, 1), :]
 
 
 def _z(a_ref, vt_hdk) -> jax.Array:
-  """z [BQ, d, BK] = Σ_h a_h vᵀ_h, one query at a time, a's rows from a_ref (`_keep_rows`)."""
+  """z [BQ, d, BK] = Σ_h a_h vᵀ_h, one query at a time, a's rows from a_ref (`_row`)."""
   H, bq = a_ref.shape[:2]
   return jnp.stack([_sum_terms([_row(a_ref, h, q) * vt_hdk[h] for h in range(H)]) for q in range(bq)])
 
@@ -204,8 +201,7 @@ def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, 
   cotangent g [H, BQ, d]; z read from z_ref when the forward pass kept it, else recomputed."""
   segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
   mask_11qk, normalize_pullback, a_1hqk, vt_hdk = _tile(static, q0, k0, q_ref[0], k_ref, vt_ref, segq_q1,
-                                                        segk_1k)
-  _keep_rows(a_ref, a_1hqk)
+                                                        segk_1k, a_ref)
   z_qdk = _z(a_ref, vt_hdk) if z_ref is None else z_ref[0, 0].astype(jnp.float32)
   p_qdk, phi_pullback = jax.vjp(core.NONLINEARITIES[static.knobs.nonlinearity], z_qdk)
   # φ(z)'s cotangent Σ_h g_h a_h with operands in the compute dtype, as the MXU rounds them on TPU
@@ -234,8 +230,7 @@ def _forward_kernel(*refs, static, segments):
   @pl.when(core.block_visible(static.causal, i, j, bq, bk))
   def _():
     segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
-    _, _, a_1hqk, vt_hdk = _tile(static, i * bq, j * bk, q_ref[0], k_ref, vt_ref, segq_q1, segk_1k)
-    _keep_rows(a_ref, a_1hqk)
+    _, _, a_1hqk, vt_hdk = _tile(static, i * bq, j * bk, q_ref[0], k_ref, vt_ref, segq_q1, segk_1k, a_ref)
     z_qdk = _z(a_ref, vt_hdk)
     if z_ref is not None:
       z_ref[0, 0] = z_qdk.astype(z_ref.dtype)
@@ -319,7 +314,7 @@ def _specs(static: _Static, shape, segments: bool, *, keys_outer: bool, with_g: 
 
 
 def _weights_scratch(H: int):
-  """Both kernels' scratch for a tile's weights a (`_keep_rows`)."""
+  """Both kernels' scratch for a tile's weights a (`_row`)."""
   return pltpu.VMEM((H, BLOCK_Q, BLOCK_K), jnp.float32)
 
 
