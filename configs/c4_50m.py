@@ -28,9 +28,8 @@ def get_config():
   # pass cuts the compiler's bytes per chip from 20.4 GB to 18.3 (docs/compile_table.md).
   c.model.remat = "mlp"
   # For the same reason, each q and k rotation's partner comes from a second product rather than from
-  # slicing q and k, so XLA fuses the rotation into the projections: 15.9 GB -> 13.4 GB, 6% more FLOPs.
-  # Linear attention's step is the exception (32.6 GB against 31.3): for it pass
-  # --config.model.rope_by_product=false (docs/compile_table.md).
+  # slicing q and k, so XLA fuses the rotation into the projections: 15.9 GB -> 13.4 GB, 6% more FLOPs
+  # (linear attention's step, in its TPU kernels: 15.6 GB -> 13.8; docs/compile_table.md).
   c.model.rope_by_product = True
   c.data.update(source="c4", dir="gs://BUCKET/tensorflow_datasets", tokenizer=T5_VOCAB, seq_len=512,
                 threads=8)

@@ -1,4 +1,4 @@
-"""The attention's Pallas kernels (HYLA's, and softmax's splash kernels) as the TPU compiler scheduled
+"""The attention's Pallas kernels (HYLA's, linear attention's, and softmax's splash kernels) as the TPU compiler scheduled
 them, read from libtpu's LLO dumps.
 
 The compiler's cost analysis reports no time for a Pallas kernel (a custom call). But libtpu can write
@@ -25,8 +25,8 @@ import tempfile
 _NUMBERS = re.compile(r"^\s*\d+(\s+\d+)+\s*$")
 # lm/attention.py's implementations that run Pallas kernels on TPU, and those whose kernels this times
 # (not flash attention's, which softmax runs only with a position bias).
-PALLAS = ("pallas_hypernetwork_keep_z", "pallas_hypernetwork", "splash", "pallas")
-TIMED = PALLAS[:3]
+PALLAS = ("pallas_hypernetwork_keep_z", "pallas_hypernetwork", "splash", "pallas_linear", "pallas")
+TIMED = PALLAS[:4]
 
 
 def schedule(*, impl: str, knobs: dict, rows: int, seq_len: int, heads: int, head_dim: int, dtype: str,
@@ -84,13 +84,23 @@ def _kernels(spec: dict, itemsize: int):
   """For the attention implementation spec["impl"]: its attend function, its kernels' names (forward,
   backward), the grid steps each computes, and the FLOPs and HBM bytes each declares to XLA's cost
   analysis (none for the library's splash kernels)."""
-  from lm import attention, attention_core, attention_hypernetwork as hyper, attention_softmax as softmax
+  from lm import (
+      attention,
+      attention_core,
+      attention_hypernetwork as hyper,
+      attention_linear as linear,
+      attention_softmax as softmax,
+  )
 
   rows, T, H, causal = spec["rows"], spec["seq_len"], spec["heads"], spec["causal"]
   if spec["impl"] == "splash":
     attend = functools.partial(softmax.attend_splash, causal=causal)
     return attend, (softmax.SPLASH_FORWARD,
                     softmax.SPLASH_BACKWARD), rows * H * softmax.splash_visible_blocks(T, causal), {}
+  if spec["impl"] == "pallas_linear":
+    attend = functools.partial(linear.attend_pallas_linear, causal=causal)
+    declared = linear.kernel_costs(causal, (rows, H, T, spec["head_dim"]), itemsize)
+    return attend, (linear.FORWARD, linear.BACKWARD), rows * H * linear.visible_tiles(T, causal), declared
   knobs = attention_core.Knobs(**spec["knobs"])
   keep_z = attention.keeps_z(spec["impl"])
   attend = functools.partial(hyper.attend_pallas_hypernetwork, knobs=knobs, causal=causal, keep_z=keep_z)

@@ -116,6 +116,12 @@ IMPLS: dict[str, Impl] = {
         Impl(functools.partial(attention_hypernetwork.attend_pallas_hypernetwork,
                                batch_axes=sharding.BATCH), computes=("hyla", "hyla_no_rms_head"), bias=False,
              dropout=False, tile=attention_hypernetwork.BLOCK_K, auto={"tpu": None}),
+    # Linear attention in Pallas TPU kernels, quadratic as flash attention (lm/attention_linear.py): on
+    # TPU faster than the chunks below, whose XLA form writes their intermediates to HBM.
+    "pallas_linear":
+        Impl(functools.partial(attention_linear.attend_pallas_linear,
+                               batch_axes=sharding.BATCH), computes=("linear",), bias=False, dropout=False,
+             tile=attention_linear.BLOCKS[-1], auto={"tpu": None}),
     # Causal linear attention in O(t·d²) (lm/attention_linear.py).
     "chunked":
         Impl(attention_linear.attend_chunked, computes=("linear",), bidirectional=False, bias=False,

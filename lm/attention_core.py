@@ -244,3 +244,39 @@ def visible_blocks(T: int, bq: int, bk: int, causal: bool) -> int:
   """How many (query block, key block) pairs of a length-T row see a key: what a tiled kernel that
   skips the rest computes."""
   return sum(bool(block_visible(causal, i, j, bq, bk)) for i in range(T // bq) for j in range(T // bk))
+
+
+def last_key_block(causal: bool, i, j, bq: int, bk: int):
+  """The key block a Pallas kernel fetches at grid step (query block i, key block j): past the
+  diagonal, the last one i sees, so that Pallas (which skips a fetch of the block it already holds)
+  reads nothing for the skipped tiles. (lax.div: Mosaic lowers `//` through sign, which asks the TPU's
+  generation of the host compiling.)"""
+  return jnp.minimum(j, jax.lax.div(i * bq + bq - 1, bk)) if causal else j
+
+
+def first_query_block(causal: bool, i, j, bq: int, bk: int):
+  """The query block a Pallas kernel that walks query blocks per key block fetches at grid step (key
+  block j, query block i): before the diagonal, the first one that sees key block j."""
+  return jnp.maximum(i, jax.lax.div(j * bk, bq)) if causal else i
+
+
+def tile_mask(causal: bool, q0, k0, bq: int, bk: int, segq_q1: jax.Array | None,
+              segk_1k: jax.Array | None) -> jax.Array | None:
+  """Inside a Pallas kernel, the boolean [bq, bk] mask of the tile whose queries start at position q0
+  and keys at k0 (2-D iotas, as Mosaic lowers them), with the tile's segment ids segq_q1 [bq, 1] and
+  segk_1k [1, bk] (or None); None when every pair is allowed."""
+  mask = None
+  if causal:
+    q_pos = q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    mask = q_pos >= k_pos
+  if segq_q1 is not None:
+    same = segq_q1 == segk_1k
+    mask = same if mask is None else mask & same
+  return mask
+
+
+def segment_blocks(segment_ids_bt: jax.Array | None) -> tuple[jax.Array, ...]:
+  """A Pallas kernel's segment-id operands: the queries' [B, T, 1] and the keys' [B, 1, T] (so that
+  each tile's blocks are a column and a row), or none."""
+  return () if segment_ids_bt is None else (segment_ids_bt[:, :, None], segment_ids_bt[:, None, :])

@@ -96,19 +96,6 @@ class _Static:
   keep_z: bool
 
 
-def _last_key_block(causal: bool, i, j, bq: int, bk: int):
-  """The key block to fetch at grid step (i, j): past the diagonal, the last one i sees, so that Pallas
-  (which skips a fetch of the block it already holds) reads nothing for the skipped tiles. (lax.div:
-  Mosaic lowers `//` through sign, which asks the TPU's generation of the host compiling.)"""
-  return jnp.minimum(j, jax.lax.div(i * bq + bq - 1, bk)) if causal else j
-
-
-def _first_query_block(causal: bool, i, j, bq: int, bk: int):
-  """The query block to fetch at grid step (key block j, query block i): before the diagonal, the
-  first one that sees key block j."""
-  return jnp.maximum(i, jax.lax.div(j * bk, bq)) if causal else i
-
-
 def _tile_index(causal: bool, i, j, nk: int):
   """Where the tile of query block i and key block j is kept among a row's visible tiles, row by row
   (causal: query block i sees key blocks 0..i, as BLOCK_Q == BLOCK_K)."""
@@ -134,14 +121,7 @@ def _tile(static: _Static, q0, k0, q_hqd, k_ref, vt_ref, segq_q1, segk_1k, a_ref
   [1, BK]: segment ids, or None."""
   H, bq, d = q_hqd.shape
   bk = k_ref.shape[2]
-  mask = None
-  if static.causal:
-    q_pos = q0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    k_pos = k0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    mask = q_pos >= k_pos
-  if segq_q1 is not None:
-    same = segq_q1 == segk_1k
-    mask = same if mask is None else mask & same
+  mask = core.tile_mask(static.causal, q0, k0, bq, bk, segq_q1, segk_1k)
   contract_d = (((1,), (1,)), ((), ()))
   s_1hqk = jnp.stack([
       jax.lax.dot_general(q_hqd[h], k_ref[0, h], contract_d, preferred_element_type=jnp.float32)
@@ -291,10 +271,10 @@ def _specs(static: _Static, shape, segments: bool, *, keys_outer: bool, with_g: 
   _, H, T, d = shape
   bq, bk, causal = BLOCK_Q, BLOCK_K, static.causal
   if keys_outer:
-    qi = lambda j, i: _first_query_block(causal, i, j, bq, bk)
+    qi = lambda j, i: core.first_query_block(causal, i, j, bq, bk)
     ij = lambda o, n: (qi(o, n), o)
   else:
-    ij = lambda o, n: (o, _last_key_block(causal, o, n, bq, bk))
+    ij = lambda o, n: (o, core.last_key_block(causal, o, n, bq, bk))
   query = pl.BlockSpec((1, H, bq, d), lambda b, o, n: (b, 0, ij(o, n)[0], 0))
   specs = [
       query,
@@ -316,10 +296,6 @@ def _specs(static: _Static, shape, segments: bool, *, keys_outer: bool, with_g: 
 def _weights_scratch(H: int):
   """Both kernels' scratch for a tile's weights a (`_row`)."""
   return pltpu.VMEM((H, BLOCK_Q, BLOCK_K), jnp.float32)
-
-
-def _segment_args(seg_bt):
-  return () if seg_bt is None else (seg_bt[:, :, None], seg_bt[:, None, :])
 
 
 def visible_tiles(T: int, causal: bool) -> int:
@@ -402,7 +378,7 @@ def _core_fwd(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt):
       cost_estimate=_costs(static, q_bhtd)[FORWARD],
       name=FORWARD,
       **_params(static, ("parallel", "parallel", "arbitrary")),
-  )(q_bhtd, k_bhtd, vt_bhdt, *_segment_args(seg_bt))
+  )(q_bhtd, k_bhtd, vt_bhdt, *core.segment_blocks(seg_bt))
   return out, (q_bhtd, k_bhtd, vt_bhdt, seg_bt, z)
 
 
@@ -410,7 +386,7 @@ def _core_bwd(static, residuals, g_bhtd):
   q_bhtd, k_bhtd, vt_bhdt, seg_bt, z = residuals
   B, H, T, d = q_bhtd.shape
   segments = seg_bt is not None
-  args = (q_bhtd, k_bhtd, vt_bhdt, g_bhtd.astype(q_bhtd.dtype), *z, *_segment_args(seg_bt))
+  args = (q_bhtd, k_bhtd, vt_bhdt, g_bhtd.astype(q_bhtd.dtype), *z, *core.segment_blocks(seg_bt))
   # One pass over the tiles for all three gradients (the tiles' vector work is most of the kernel's
   # time). dq's block index moves only at the last key block, where the kernel writes it (module
   # docstring); the row's dq accumulator carries over key blocks, so they run in order.

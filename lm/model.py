@@ -43,8 +43,8 @@ class ModelConfig:
   # columns permuted to match (`rotary`), so the rotation is element-wise on the products' outputs and
   # XLA fuses it into them. A c4_50m softmax step moves 2.4 GB less per v5e chip for 6% more FLOPs:
   # right for a step bound by HBM traffic in front of a Pallas attention kernel (configs/c4_50m.py sets
-  # it), wrong for a CPU's compute-bound step and for linear attention's XLA core, which fuses the
-  # rotation into its own operations and then reads both products.
+  # it), wrong for a CPU's compute-bound step and for linear attention's chunked XLA core (CPU and GPU),
+  # which fuses the rotation into its own operations and then reads both products.
   rope_by_product: bool = False
   relative_buckets: int = 32
   relative_max_distance: int = 128

@@ -15,6 +15,7 @@ from lm import (
     attention_blocked,
     attention_core,
     attention_hypernetwork,
+    attention_linear,
     attention_softmax,
     model as model_lib,
 )
@@ -168,6 +169,36 @@ def test_splash_equals_reference_in_interpret_mode(causal):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+@pytest.mark.parametrize("T,causal,segments,tiles", [(384, True, True, 6), (256, False, True, 1),
+                                                     (1024, True, False, 3)])
+def test_pallas_linear_equals_reference_in_interpret_mode(T, causal, segments, tiles):
+  """The TPU linear-attention kernels run by Pallas's interpreter: the same outputs and gradients as the
+  definition, in blocks of 128 (3 by 3; causally 6 computed), 256 (one) and 512 (2 by 2; causally 3)."""
+  q, k, v, cotangent = (
+      jax.random.normal(key, (2, T, 2, 8)) for key in jax.random.split(jax.random.key(5), 4))
+  segment_ids = jnp.asarray([[0] * 50 + [1] * (T - 106) + [2] * 56, [0] * T]) if segments else None
+  kernel = lambda q, k, v: attention_linear.attend_pallas_linear(q, k, v, causal=causal, segment_ids=
+                                                                 segment_ids, interpret=True)
+  reference = lambda q, k, v: attention.attend(q, k, v, **attention.preset("linear"), causal=causal,
+                                               segment_ids=segment_ids)
+  (out, pull), (out_ref, pull_ref) = (jax.vjp(f, q, k, v) for f in (kernel, reference))
+  assert attention_linear.visible_tiles(T, causal) == tiles
+  np.testing.assert_allclose(out, out_ref, rtol=1e-4, atol=1e-5 * np.abs(out_ref).max())
+  for name, g, g_ref in zip(("dq", "dk", "dv"), pull(cotangent), pull_ref(cotangent)):
+    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5 * np.abs(g_ref).max(), err_msg=name)
+
+
+def test_pallas_linear_names_a_row_whose_dq_does_not_fit_on_chip():
+  """Its backward kernel keeps a row's dq in float32 on chip too (one head: heads are separate grid
+  steps): 32 MiB reaches 65,536 tokens; one block more is refused at trace time with the way out."""
+  kernel = lambda x: attention_linear.attend_pallas_linear(x, x, x)
+  assert jax.eval_shape(kernel, jax.ShapeDtypeStruct((1, 65536, 8, 64), jnp.bfloat16)).shape[1] == 65536
+  with pytest.raises(
+      ValueError, match="keeps a row's dq on chip, 32.1 MiB at 65664 tokens, more than its "
+      "32 MiB; use impl 'chunked'"):
+    jax.eval_shape(kernel, jax.ShapeDtypeStruct((1, 65664, 8, 64), jnp.bfloat16))
+
+
 @pytest.mark.parametrize("preset,causal,segments,keep_z", [("hyla", True, True, True),
                                                            ("hyla", False, False, False),
                                                            ("hyla_no_rms_head", True, False, False),
@@ -193,28 +224,34 @@ def test_pallas_hypernetwork_equals_reference_in_interpret_mode(preset, causal, 
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4 * np.abs(g_ref).max(), err_msg=name)
 
 
-def test_pallas_hypernetwork_on_each_device_of_a_mesh():
-  """Under a mesh of 4 CPU devices (rows over data, heads over tensor), the kernels run on each
-  device's shard (interpret mode) and give the definition's outputs and gradients."""
+def test_pallas_kernels_on_each_device_of_a_mesh():
+  """Under a mesh of 4 CPU devices (rows over data, heads over tensor), HYLA's and linear attention's
+  kernels run on each device's shard (interpret mode; HYLA's gather the heads, linear attention's split
+  them) and give the definition's outputs and gradients."""
   script = textwrap.dedent("""
       import jax, jax.numpy as jnp, numpy as np
       from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-      from lm import attention, attention_hypernetwork, sharding
+      from lm import attention, attention_hypernetwork, attention_linear, sharding
       q, k, v, g = (jax.random.normal(key, (4, 128, 4, 8)) for key in jax.random.split(jax.random.key(6), 4))
       seg = jnp.asarray([[0] * 60 + [1] * 68] * 2 + [[0] * 128] * 2)
-      knobs = attention.Knobs(**attention.preset("hyla"))
-      kernel = lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(
-          q, k, v, knobs=knobs, segment_ids=seg, batch_axes=sharding.BATCH, interpret=True)
-      reference = lambda q, k, v: attention.attend(q, k, v, **attention.preset("hyla"), segment_ids=seg)
-      want = jax.vjp(reference, q, k, v)
+      kernels = {
+          "hyla": lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(
+              q, k, v, knobs=attention.Knobs(**attention.preset("hyla")), segment_ids=seg,
+              batch_axes=sharding.BATCH, interpret=True),
+          "linear": lambda q, k, v: attention_linear.attend_pallas_linear(
+              q, k, v, segment_ids=seg, batch_axes=sharding.BATCH, interpret=True),
+      }
       mesh = Mesh(np.asarray(jax.devices()).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
       put = lambda x: jax.device_put(x, NamedSharding(mesh, P(sharding.BATCH, None, "tensor")))
-      with jax.set_mesh(mesh):
-        out, pull = jax.vjp(kernel, put(q), put(k), put(v))
-        grads = pull(put(g))
-      np.testing.assert_allclose(out, want[0], rtol=1e-4, atol=1e-5)
-      for a, b in zip(grads, want[1](g)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+      for preset, kernel in kernels.items():
+        reference = lambda q, k, v: attention.attend(q, k, v, **attention.preset(preset), segment_ids=seg)
+        want = jax.vjp(reference, q, k, v)
+        with jax.set_mesh(mesh):
+          out, pull = jax.vjp(kernel, put(q), put(k), put(v))
+          grads = pull(put(g))
+        np.testing.assert_allclose(out, want[0], rtol=1e-4, atol=1e-5, err_msg=preset)
+        for a, b in zip(grads, want[1](g)):
+          np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=preset)
       print("equal")
       """)
   result = python_on_cpu_devices(script, devices=4)
@@ -286,7 +323,7 @@ def test_auto_picks_a_memory_linear_implementation_for_every_variant(dropout):
   assert _chosen("softmax") == {"cpu": "blocked", "tpu": "splash", "gpu": "dot_product"}
   assert _chosen("softmax", bias=True)["tpu"] == "pallas"  # splash takes no bias
   assert _chosen("softmax", t=512)["cpu"] == "dot_product"
-  assert set(_chosen("linear").values()) == {"chunked"}
+  assert _chosen("linear") == {"cpu": "chunked", "tpu": "pallas_linear", "gpu": "chunked"}
   assert _chosen("hyla") == {"cpu": "blocked", "tpu": "pallas_hypernetwork", "gpu": "blocked"}
   assert _chosen("hyla_no_rms_head")["tpu"] == "pallas_hypernetwork"
   # Up to 512 tokens, HYLA's kernels keep z for the backward pass (memory quadratic in the length).
@@ -297,7 +334,7 @@ def test_auto_picks_a_memory_linear_implementation_for_every_variant(dropout):
   assert _chosen("hyla_softmax")["tpu"] == "blocked"  # softmax couples the keys: not in the kernels
   assert _chosen("hyla", bias=True)["tpu"] == "blocked" and _chosen("hyla", dropout=True)["tpu"] == "blocked"
   assert set(_chosen("linear", bias=True).values()) == {"blocked"}
-  assert set(_chosen("linear", causal=False).values()) == {"blocked"}
+  assert _chosen("linear", causal=False) == {"cpu": "blocked", "tpu": "pallas_linear", "gpu": "blocked"}
   assert model_lib.ModelConfig(V=8).attention_impl == "auto"
 
 
@@ -343,6 +380,7 @@ def test_impl_that_cannot_compute_the_knobs_fails_clearly(knobs, impl, message):
      "dropout"),
     ("blocked", dict(k=jnp.zeros((2, 5, 3, 4))), "needs as many keys as queries, got 21 and 5"),
     ("pallas_hypernetwork", dict(), "tiles sequences in blocks of 128, got lengths 21"),
+    ("pallas_linear", dict(), "tiles sequences in blocks of 128, got lengths 21"),
     ("chunked", dict(positions=(jnp.arange(21), jnp.arange(21))),
      "'chunked' takes no explicit query and key positions; use impl 'auto' or 'reference'"),
 ])
@@ -367,9 +405,9 @@ def test_pallas_hypernetwork_names_a_row_whose_dq_does_not_fit_on_chip():
 
 
 def test_auto_compiles_the_pallas_kernel_for_tpu(v5e_2x2):
-  """Softmax and HYLA under impl auto, compiled ahead of time for a v5e mesh (batch and heads sharded),
-  run their Pallas kernels forward and backward (splash: a forward and a fused backward kernel; the
-  hypernetwork kernels: one each; value_and_grad, since with the gradient alone the hypernetwork forward
+  """Softmax, HYLA and linear attention under impl auto, compiled ahead of time for a v5e mesh (batch and
+  heads sharded), run their Pallas kernels forward and backward (splash: a forward and a fused backward
+  kernel; the hypernetwork and linear kernels: one each; value_and_grad, since with the gradient alone the hypernetwork forward
   kernel's output goes unused, its residuals being its inputs, and newer jax drops it)."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   topology = v5e_2x2
@@ -378,7 +416,7 @@ def test_auto_compiles_the_pallas_kernel_for_tpu(v5e_2x2):
                            sharding=NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
   seg = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
   # softmax: the splash kernel forward and its fused backward.
-  for preset, kernels in (("softmax", 2), ("hyla", 2)):
+  for preset, kernels in (("softmax", 2), ("hyla", 2), ("linear", 2)):
     loss = lambda q, k, v, s: attention.attend(q, k, v, **attention.preset(preset), segment_ids=s, impl="auto"
                                               ).sum()
     with jax.set_mesh(mesh):

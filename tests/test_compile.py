@@ -25,7 +25,7 @@ from small import small_config  # noqa: E402
 from configs import c4_50m, sraven, tiny  # noqa: E402
 from data_pipelines import pipeline  # noqa: E402
 from launch import compile as compile_lib, kernel_schedule, topology  # noqa: E402
-from lm import attention, attention_hypernetwork, attention_softmax  # noqa: E402
+from lm import attention, attention_hypernetwork, attention_linear, attention_softmax  # noqa: E402
 from lm.experiment import Experiment, microbatch_compiler_options  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,6 +229,22 @@ def test_kernel_schedule_of_splash_kernels():
   with pytest.raises(ValueError, match="no schedule for attention implementation 'pallas'"):
     kernel_schedule.schedule(impl="pallas", knobs=attention.preset("softmax"), rows=1, seq_len=512, heads=8,
                              head_dim=64, dtype="bfloat16", causal=True, segments=True, topology="v5e:2x2")
+
+
+def test_kernel_schedule_of_linear_kernels():
+  """Linear attention's kernels, timed the same way: at 1,024 tokens in blocks of 512, each head and row
+  computes 3 of the 4 tiles causally; each kernel declares the FLOPs and bytes of kernel_costs, and its
+  products are on the MXU."""
+  r = kernel_schedule.schedule(impl="pallas_linear", knobs=attention.preset("linear"), rows=2, seq_len=1024,
+                               heads=2, head_dim=64, dtype="bfloat16", causal=True, segments=True,
+                               topology="v5e:2x2")
+  declared = attention_linear.kernel_costs(True, (2, 2, 1024, 64), 2)
+  for kernel, name in (("forward", attention_linear.FORWARD), ("backward", attention_linear.BACKWARD)):
+    k = r[kernel]
+    assert k["kernel"] == name and k["visible_steps"] == 2 * 2 * 3
+    assert k["bundles_per_step"] > 500 and k["cycles"] == k["bundles_per_step"] * k["visible_steps"]
+    assert (k["flops"], k["hbm_bytes"]) == (declared[name].flops, declared[name].bytes_accessed)
+    assert k["units"]["MXU"]["used"] > 1
 
 
 def test_every_listed_topology_exists():
