@@ -41,8 +41,10 @@ keep_z: the forward kernel also writes each visible tile's z to HBM, in the comp
 backward kernel reads it back instead of recomputing it: 16 of its 24 multiply-adds per (query, key,
 d) triple left on the vector unit, for [rows, visible tiles, BQ, d, BK] in memory per layer (20 MiB a
 row and layer at 512 tokens in bfloat16, growing with the square of the length; lm/attention.py's
-table lets `auto` take it up to 512 tokens). On TPU, for relu, the backward pass sees the same numbers
-either way: φ(z) reaches the MXU rounded to bfloat16, and φ' needs only z's sign, which rounding keeps.
+table lets `auto` take it up to 512 tokens). For relu it keeps φ(z) instead (`_keeps_output`), from which
+the backward kernel has both what it needs: φ(z) itself, which goes to the MXU as kept, and φ', 1
+where φ(z) > 0. On TPU, for relu, the backward pass sees the same numbers either way: φ(z) reaches the
+MXU rounded to bfloat16 (rounding commutes with relu), and φ' needs only z's sign, which rounding keeps.
 """
 
 import dataclasses
@@ -136,6 +138,13 @@ def _tile(static: _Static, q0, k0, q_hqd, k_ref, vt_ref, segq_q1, segk_1k, a_ref
   return mask_11qk, normalize_pullback, a_1hqk, vt_ref[0].astype(jnp.float32)
 
 
+def _keeps_output(static: _Static) -> bool:
+  """Whether keep_z keeps φ(z) rather than z: for relu, whose φ' φ(z) gives (module docstring), and the
+  backward kernel then neither converts z nor forms φ(z) again (14,355 -> 13,706 bundles a grid step, forward 6,067 -> 6,111:
+  benchmarks/kernel_schedule.py)."""
+  return static.knobs.nonlinearity == "relu"
+
+
 def _row(a_ref, h: int, q: int) -> jax.Array:
   """a_h's row of query q, [1, BK], to broadcast over d, loaded from the scratch that `_tile` fills: a
   row loaded alone comes replicated over the sublanes (a load of sublane stride 0, in the load slots),
@@ -182,14 +191,19 @@ def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, 
   segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
   mask_11qk, normalize_pullback, a_1hqk, vt_hdk = _tile(static, q0, k0, q_ref[0], k_ref, vt_ref, segq_q1,
                                                         segk_1k, a_ref)
-  z_qdk = _z(a_ref, vt_hdk) if z_ref is None else z_ref[0, 0].astype(jnp.float32)
-  p_qdk, phi_pullback = jax.vjp(core.NONLINEARITIES[static.knobs.nonlinearity], z_qdk)
+  if z_ref is not None and _keeps_output(static):
+    p_qdk = z_ref[0, 0]
+    positive_qdk = p_qdk.astype(jnp.float32) > 0
+    phi_pullback = lambda dp_qdk: (jnp.where(positive_qdk, dp_qdk, 0.0),)
+  else:
+    z_qdk = _z(a_ref, vt_hdk) if z_ref is None else z_ref[0, 0].astype(jnp.float32)
+    p_qdk, phi_pullback = jax.vjp(core.NONLINEARITIES[static.knobs.nonlinearity], z_qdk)
   # φ(z)'s cotangent Σ_h g_h a_h with operands in the compute dtype, as the MXU rounds them on TPU
   # anyway: g as it arrives, a rounded (in bfloat16, half the MXU's pushes of float32 operands).
   g_qhd = jnp.swapaxes(g_ref[0], 0, 1)
   dz_qdk = phi_pullback(_per_query(g_qhd, jnp.swapaxes(a_1hqk[0], 0, 1).astype(g_qhd.dtype), 1, 1))[0]
   # a_h's cotangent: through the output (Σ_d g_h · φ(z)) and through z (Σ_d dz · v_h).
-  da_1hqk = _da(_per_query(g_qhd.astype(jnp.float32), p_qdk, 2, 1), dz_qdk, vt_hdk, q_ref.dtype)[None]
+  da_1hqk = _da(_per_query(g_qhd.astype(p_qdk.dtype), p_qdk, 2, 1), dz_qdk, vt_hdk, q_ref.dtype)[None]
   ds_1hqk = normalize_pullback(da_1hqk)[0]
   if mask_11qk is not None:
     ds_1hqk = jnp.where(mask_11qk, ds_1hqk, 0.0)
@@ -212,9 +226,9 @@ def _forward_kernel(*refs, static, segments):
     segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
     _, _, a_1hqk, vt_hdk = _tile(static, i * bq, j * bk, q_ref[0], k_ref, vt_ref, segq_q1, segk_1k, a_ref)
     z_qdk = _z(a_ref, vt_hdk)
-    if z_ref is not None:
-      z_ref[0, 0] = z_qdk.astype(z_ref.dtype)
     p_qdk = core.NONLINEARITIES[static.knobs.nonlinearity](z_qdk)
+    if z_ref is not None:
+      z_ref[0, 0] = (p_qdk if _keeps_output(static) else z_qdk).astype(z_ref.dtype)
     acc_ref[...] += _per_query(jnp.swapaxes(a_1hqk[0], 0, 1), p_qdk, 2, 2)
 
   @pl.when(j == pl.num_programs(2) - 1)
