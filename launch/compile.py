@@ -38,8 +38,9 @@ def kernel_schedules(exp: Experiment, impls: list[str], topology: str) -> list[d
   once per kind of layer that runs them (`impls`: each layer's implementation on TPU): the compiler's
   cost analysis gives them no time."""
   cfg, T = exp.model_cfg, exp.task.seq_len
-  # Rows are split over the batch axes only: the kernels take every head on every chip.
   rows = exp.config.train.batch_size // math.prod(exp.mesh.shape[a] for a in sharding.BATCH)
+  tensor = exp.mesh.shape["tensor"]
+  heads = lambda impl: cfg.H // tensor if impl in kernel_schedule.HEADS_SPLIT and cfg.H % tensor == 0 else cfg.H
   untimed = sorted(
       {impl for impl in impls if impl in kernel_schedule.PALLAS and impl not in kernel_schedule.TIMED})
   if untimed:
@@ -53,7 +54,7 @@ def kernel_schedules(exp: Experiment, impls: list[str], topology: str) -> list[d
     schedules.append(
         dict(
             impl=impl, layers=n, knobs=spec, segments=segments,
-            **kernel_schedule.schedule(impl=impl, knobs=spec, rows=rows, seq_len=T, heads=cfg.H,
+            **kernel_schedule.schedule(impl=impl, knobs=spec, rows=rows, seq_len=T, heads=heads(impl),
                                        head_dim=cfg.K, dtype=cfg.dtype, causal=cfg.causal, segments=segments,
                                        topology=topology)))
   return schedules

@@ -27,6 +27,9 @@ _NUMBERS = re.compile(r"^\s*\d+(\s+\d+)+\s*$")
 # (not flash attention's, which softmax runs only with a position bias).
 PALLAS = ("pallas_hypernetwork_keep_z", "pallas_hypernetwork", "splash", "pallas_linear", "pallas")
 TIMED = PALLAS[:4]
+# Those whose kernels take a device's share of the heads under a tensor axis (lm.attention_core.per_device);
+# HYLA's take every head on every chip, as RMSHead and z couple them.
+HEADS_SPLIT = ("splash", "pallas_linear")
 
 
 def schedule(*, impl: str, knobs: dict, rows: int, seq_len: int, heads: int, head_dim: int, dtype: str,

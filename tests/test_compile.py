@@ -231,6 +231,28 @@ def test_kernel_schedule_of_splash_kernels():
                              head_dim=64, dtype="bfloat16", causal=True, segments=True, topology="v5e:2x2")
 
 
+def test_kernel_schedules_take_each_chips_share_of_rows_and_heads(monkeypatch):
+  """lm-compile times the kernels on one chip's share: rows split over the batch axes, and heads over
+  the tensor axis for the kernels that split them (splash's, linear attention's), not for HYLA's,
+  which take every head on every chip. (No compile: the schedule's arguments are what is checked.)"""
+  config = c4_50m.get_config()
+  config.model.update(L=3, attention="softmax,linear,hyla")
+  config.train.batch_size = 16
+  config.mesh.update(data=4, fsdp=1, tensor=4)
+  exp = Experiment(config, devices=compile_lib.topology_devices("v5e:4x4"))
+  calls = {}
+  monkeypatch.setattr(compile_lib.kernel_schedule, "schedule",
+                      lambda **kw: calls.setdefault(kw["impl"], kw) and {})
+  compile_lib.kernel_schedules(exp, ["splash", "pallas_linear", "pallas_hypernetwork_keep_z"], "v5e:4x4")
+  assert {
+      impl: (kw["rows"], kw["heads"]) for impl, kw in calls.items()
+  } == {
+      "splash": (4, 2),
+      "pallas_linear": (4, 2),
+      "pallas_hypernetwork_keep_z": (4, 8)
+  }
+
+
 def test_kernel_schedule_of_linear_kernels():
   """Linear attention's kernels, timed the same way: at 1,024 tokens in blocks of 512, each head and row
   computes 3 of the 4 tiles causally; each kernel declares the FLOPs and bytes of kernel_costs, and its
