@@ -278,17 +278,36 @@ def test_pallas_hypernetwork_in_bfloat16(mxu_operands, monkeypatch):
   kernel = lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(
       q, k, v, knobs=attention.Knobs(**attention.preset("hyla")), segment_ids=kw["segment_ids"], interpret=
       True, keep_z=mxu_operands == "bfloat16")
-  out_exact, pull_exact = jax.vjp(reference, q, k, v)
+  _assert_bfloat16_as_close_as_the_reference(kernel, reference, (q, k, v), cotangent)
+
+
+def _assert_bfloat16_as_close_as_the_reference(kernel, reference, qkv, cotangent):
+  """kernel's outputs and gradients, from bfloat16 inputs, come back in bfloat16 and are as close to the
+  float32 reference as the reference computed in bfloat16 (up to half as far again)."""
+  out_exact, pull_exact = jax.vjp(reference, *qkv)
   exact = (out_exact, *pull_exact(cotangent))
 
   def errors(fn):
-    out, pull = jax.vjp(fn, *(x.astype(jnp.bfloat16) for x in (q, k, v)))
+    out, pull = jax.vjp(fn, *(x.astype(jnp.bfloat16) for x in qkv))
     values = (out, *pull(cotangent.astype(jnp.bfloat16)))
     assert all(x.dtype == jnp.bfloat16 for x in values)
     return [np.abs(np.asarray(x, np.float32) - e).max() / np.abs(e).max() for x, e in zip(values, exact)]
 
   for name, e_kernel, e_reference in zip(("out", "dq", "dk", "dv"), errors(kernel), errors(reference)):
     assert e_kernel <= 1.5 * e_reference + 1e-3, (name, e_kernel, e_reference)
+
+
+def test_pallas_linear_in_bfloat16():
+  """The model's compute dtype. Every operand the linear kernels hand the MXU is already in it (q, k, v,
+  g, and the scores and their cotangent rounded to it, as the chunked form rounds the scores), so the
+  interpreter's products are the TPU's."""
+  q, k, v, cotangent = (
+      jax.random.normal(key, (1, 256, 2, 64)) for key in jax.random.split(jax.random.key(8), 4))
+  kw = dict(**attention.preset("linear"), segment_ids=jnp.asarray([[0] * 70 + [1] * 186]))
+  kernel = lambda q, k, v: attention_linear.attend_pallas_linear(q, k, v, segment_ids=kw["segment_ids"],
+                                                                 interpret=True)
+  _assert_bfloat16_as_close_as_the_reference(kernel, lambda q, k, v: attention.attend(q, k, v, **kw),
+                                             (q, k, v), cotangent)
 
 
 def test_auto_softmax_traces_again_at_a_length_splash_tiles():
