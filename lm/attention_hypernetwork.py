@@ -139,9 +139,9 @@ def _tile(static: _Static, q0, k0, q_hqd, k_ref, vt_ref, segq_q1, segk_1k, a_ref
 
 
 def _keeps_output(static: _Static) -> bool:
-  """Whether keep_z keeps φ(z) rather than z: for relu, whose φ' φ(z) gives (module docstring), and the
-  backward kernel then neither converts z nor forms φ(z) again (14,355 -> 13,706 bundles a grid step, forward 6,067 -> 6,111:
-  benchmarks/kernel_schedule.py)."""
+  """Whether keep_z keeps φ(z) rather than z: for relu, whose φ' follows from φ(z) (module docstring);
+  the backward kernel then neither converts z nor forms φ(z) again (backward 14,355 -> 13,706 bundles
+  a grid step, forward 6,067 -> 6,111: benchmarks/kernel_schedule.py)."""
   return static.knobs.nonlinearity == "relu"
 
 
@@ -187,7 +187,8 @@ def _da(da_out_qhk, dz_qdk, vt_hdk, dtype) -> jax.Array:
 def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref, a_ref):
   """Keeps the tile's weights a in a_ref [H, BQ, BK] and returns the cotangent ds [1, H, BQ, BK] of the
   scaled scores (the caller applies 1/sqrt(d) for dq and dk) and dz [BQ, d, BK], given the output's
-  cotangent g [H, BQ, d]; z read from z_ref when the forward pass kept it, else recomputed."""
+  cotangent g [H, BQ, d]; z (for relu φ(z), `_keeps_output`) read from z_ref when the forward pass kept
+  it, else recomputed."""
   segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
   mask_11qk, normalize_pullback, a_1hqk, vt_hdk = _tile(static, q0, k0, q_ref[0], k_ref, vt_ref, segq_q1,
                                                         segk_1k, a_ref)
