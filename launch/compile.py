@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 from launch import kernel_schedule
 from launch.topology import CHIPS, GiB, UsageError, topology_devices
-from lm import attention, cli, flops, sharding
+from lm import attention, attention_core, cli, flops, sharding
 from lm.experiment import Experiment
 
 
@@ -39,8 +39,9 @@ def kernel_schedules(exp: Experiment, impls: list[str], topology: str) -> list[d
   cost analysis gives them no time."""
   cfg, T = exp.model_cfg, exp.task.seq_len
   rows = exp.config.train.batch_size // math.prod(exp.mesh.shape[a] for a in sharding.BATCH)
-  tensor = exp.mesh.shape["tensor"]
-  heads = lambda impl: cfg.H // tensor if impl in kernel_schedule.HEADS_SPLIT and cfg.H % tensor == 0 else cfg.H
+  # Rows split over the batch axes; heads over the tensor axis for the kernels that split them.
+  tensor = exp.mesh.shape["tensor"] if attention_core.tensor_splits(cfg.H, exp.mesh) else 1
+  heads = lambda impl: cfg.H // tensor if impl in kernel_schedule.HEADS_SPLIT else cfg.H
   untimed = sorted(
       {impl for impl in impls if impl in kernel_schedule.PALLAS and impl not in kernel_schedule.TIMED})
   if untimed:

@@ -1,5 +1,5 @@
-"""The attention's Pallas kernels (HYLA's, linear attention's, and softmax's splash kernels) as the TPU compiler scheduled
-them, read from libtpu's LLO dumps.
+"""The attention's Pallas kernels (HYLA's, linear attention's, and softmax's splash kernels) as the TPU
+compiler scheduled them, read from libtpu's LLO dumps.
 
 The compiler's cost analysis reports no time for a Pallas kernel (a custom call). But libtpu can write
 what it compiled each kernel to: a TPU core issues one VLIW bundle per cycle, and the listing says how

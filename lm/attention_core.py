@@ -20,6 +20,7 @@ from collections.abc import Callable
 import jax
 import jax.extend.random as jax_random
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 NORMALIZATIONS = ("softmax", "none", "rms_head")
@@ -222,7 +223,7 @@ def per_device(local, q, k, v, segment_ids, bias, batch_axes, *, split_heads: bo
   batch = tuple(a for a in batch_axes if a in mesh.axis_names)
   if q.shape[0] % math.prod(mesh.shape[a] for a in batch):
     batch = ()  # fewer rows than shards (initialisation traces one row): every device takes them all
-  split = split_heads and "tensor" in mesh.axis_names and q.shape[2] % mesh.shape["tensor"] == 0
+  split = split_heads and tensor_splits(q.shape[2], mesh)
   heads = "tensor" if split else None
   qkv_spec = P(batch, None, heads, None)
   bias_spec = None if bias is None else P(batch if bias.shape[0] > 1 else None,
@@ -232,6 +233,20 @@ def per_device(local, q, k, v, segment_ids, bias, batch_axes, *, split_heads: bo
       local,
       in_specs=(qkv_spec, qkv_spec, qkv_spec, None if segment_ids is None else P(batch, None), bias_spec),
       out_specs=qkv_spec, check_vma=False)(q, k, v, segment_ids, bias)
+
+
+def kernel_params(interpret: bool, semantics: tuple[str, ...], vmem_limit_bytes: int) -> dict:
+  """pallas_call's arguments for a TPU kernel over a grid of these dimension semantics, with this much
+  scoped VMEM; interpret: Pallas's interpreter (any backend)."""
+  return dict(
+      compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit_bytes),
+      interpret=interpret)
+
+
+def tensor_splits(heads: int, mesh) -> bool:
+  """Whether `per_device` splits `heads` over the mesh's tensor axis (for kernels whose heads are
+  independent): when there is one and it divides them."""
+  return "tensor" in mesh.axis_names and heads % mesh.shape["tensor"] == 0
 
 
 def block_visible(causal: bool, i, j, bq: int, bk: int):

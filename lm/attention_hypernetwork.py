@@ -343,13 +343,6 @@ def _costs(static: _Static, q_bhtd) -> dict[str, pl.CostEstimate]:
   return kernel_costs(static.knobs, static.causal, q_bhtd.shape, q_bhtd.dtype.itemsize, static.keep_z)
 
 
-def _params(static: _Static, semantics: tuple[str, ...], scratch_bytes: int = 0):
-  return dict(
-      compiler_params=pltpu.CompilerParams(dimension_semantics=semantics,
-                                           vmem_limit_bytes=VMEM_LIMIT + scratch_bytes),
-      interpret=static.interpret)
-
-
 def _check(shape):
   _, H, T, d = shape
   if T % BLOCK_K:
@@ -392,7 +385,7 @@ def _core_fwd(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt):
                       _weights_scratch(H)],
       cost_estimate=_costs(static, q_bhtd)[FORWARD],
       name=FORWARD,
-      **_params(static, ("parallel", "parallel", "arbitrary")),
+      **core.kernel_params(static.interpret, ("parallel", "parallel", "arbitrary"), VMEM_LIMIT),
   )(q_bhtd, k_bhtd, vt_bhdt, *core.segment_blocks(seg_bt))
   return out, (q_bhtd, k_bhtd, vt_bhdt, seg_bt, z)
 
@@ -429,7 +422,8 @@ def _core_bwd(static, residuals, g_bhtd):
       ],
       cost_estimate=_costs(static, q_bhtd)[BACKWARD],
       name=BACKWARD,
-      **_params(static, ("parallel", "arbitrary", "arbitrary"), _dq_acc_bytes(q_bhtd.shape)),
+      **core.kernel_params(static.interpret, ("parallel", "arbitrary", "arbitrary"),
+                           VMEM_LIMIT + _dq_acc_bytes(q_bhtd.shape)),
   )(*args)
   return dq, dk, dvt, None
 

@@ -210,12 +210,6 @@ def _dq_acc_bytes(shape) -> int:
   return T * -(-d // 128) * 128 * 4
 
 
-def _params(interpret: bool, semantics: tuple[str, ...], scratch_bytes: int = 0):
-  return dict(
-      compiler_params=pltpu.CompilerParams(dimension_semantics=semantics,
-                                           vmem_limit_bytes=VMEM_LIMIT + scratch_bytes), interpret=interpret)
-
-
 def _specs(shape, causal: bool, segments: bool, *, keys_outer: bool, with_g: bool):
   """Block specs of (q, k, v[, g][, query segments, key segments]) for a grid (b, h, outer, inner):
   outer query blocks and inner key blocks, or (keys_outer) the other way round."""
@@ -254,7 +248,7 @@ def _core_fwd(causal, interpret, q_bhtd, k_bhtd, v_bhtd, seg_bt):
       scratch_shapes=[pltpu.VMEM((b, d), jnp.float32)],
       cost_estimate=kernel_costs(causal, q_bhtd.shape, q_bhtd.dtype.itemsize)[FORWARD],
       name=FORWARD,
-      **_params(interpret, ("parallel", "parallel", "parallel", "arbitrary")),
+      **core.kernel_params(interpret, ("parallel", "parallel", "parallel", "arbitrary"), VMEM_LIMIT),
   )(q_bhtd, k_bhtd, v_bhtd, *core.segment_blocks(seg_bt))
   return out, (q_bhtd, k_bhtd, v_bhtd, seg_bt)
 
@@ -281,7 +275,8 @@ def _core_bwd(causal, interpret, residuals, g_bhtd):
       ],
       cost_estimate=kernel_costs(causal, q_bhtd.shape, q_bhtd.dtype.itemsize)[BACKWARD],
       name=BACKWARD,
-      **_params(interpret, ("parallel", "parallel", "arbitrary", "arbitrary"), _dq_acc_bytes(q_bhtd.shape)),
+      **core.kernel_params(interpret, ("parallel", "parallel", "arbitrary", "arbitrary"),
+                           VMEM_LIMIT + _dq_acc_bytes(q_bhtd.shape)),
   )(q_bhtd, k_bhtd, v_bhtd, g_bhtd.astype(q_bhtd.dtype), *core.segment_blocks(seg_bt))
   return dq, dk, dv, None
 

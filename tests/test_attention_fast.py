@@ -426,8 +426,9 @@ def test_pallas_hypernetwork_names_a_row_whose_dq_does_not_fit_on_chip():
 def test_auto_compiles_the_pallas_kernel_for_tpu(v5e_2x2):
   """Softmax, HYLA and linear attention under impl auto, compiled ahead of time for a v5e mesh (batch and
   heads sharded), run their Pallas kernels forward and backward (splash: a forward and a fused backward
-  kernel; the hypernetwork and linear kernels: one each; value_and_grad, since with the gradient alone the hypernetwork forward
-  kernel's output goes unused, its residuals being its inputs, and newer jax drops it)."""
+  kernel; the hypernetwork and linear kernels: one each; value_and_grad, since with the gradient alone
+  the hypernetwork forward kernel's output goes unused, its residuals being its inputs, and newer jax
+  drops it)."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   topology = v5e_2x2
   mesh = Mesh(np.asarray(topology.devices).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
