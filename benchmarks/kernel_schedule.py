@@ -45,20 +45,25 @@ def main(argv):
                                topology=FLAGS.topology)
   clock_ghz = topology.CHIPS[r["device_kind"]].clock_hz / 1e9
   print(
-      f"{FLAGS.preset}'s {FLAGS.impl} kernels compiled for one chip of {FLAGS.topology}: {FLAGS.rows} rows x "
-      f"{FLAGS.seq_len} tokens, {FLAGS.heads} heads of {FLAGS.head_dim}, {FLAGS.dtype}, causal={FLAGS.causal}, "
+      f"{FLAGS.preset}'s {FLAGS.impl} kernels compiled for one chip of {FLAGS.topology}: "
+      f"{FLAGS.rows} rows x {FLAGS.seq_len} tokens, {FLAGS.heads} heads of {FLAGS.head_dim}, {FLAGS.dtype}, causal={FLAGS.causal}, "
       f"segments={FLAGS.segments}")
   print("| kernel | bundles per grid step | visible grid steps | ms per layer (estimate: bundles x steps at "
         f"{clock_ghz} GHz, no stalls) | fullest units (slots used per bundle / slots) |")
   print("|---|---|---|---|---|")
   total = 0.0
+  busy = lambda units: ", ".join(f"{u} {v['used']:.2f}/{v['slots']}" for u, v in sorted(
+      units.items(), key=lambda u: -u[1]["used"] / u[1]["slots"])[:3])
   for name in ("forward", "backward"):
     k = r[name]
     ms = k["cycles"] / (clock_ghz * 1e6)
     total += ms
-    busy = sorted(k["units"].items(), key=lambda u: -u[1]["used"] / u[1]["slots"])[:3]
+    programs = k["programs"]
     print(f"| {name} | {k['bundles_per_step']:,} | {k['visible_steps']:,} | {ms:.2f} | " +
-          ", ".join(f"{u} {v['used']:.2f}/{v['slots']}" for u, v in busy) + " |")
+          (busy(k["units"]) if len(programs) == 1 else "(the programs' average)") + " |")
+    for p in programs if len(programs) > 1 else ():  # built and counted alone (launch/kernel_schedule.py)
+      print(f"| {name}, tiles {p['tiles']} | {p['bundles_per_step']:,} | {p['steps']:,} | "
+            f"{p['bundles_per_step'] * p['steps'] / (clock_ghz * 1e6):.2f} | {busy(p['units'])} |")
   print(f"both kernels: {total:.2f} ms per layer")
   for name in ("forward", "backward"):
     print(f"{name}, most frequent operations: " +

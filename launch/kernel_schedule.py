@@ -84,9 +84,11 @@ def operations(dump: str, kernel: str) -> dict[str, int]:
 
 
 def _kernels(spec: dict, itemsize: int):
-  """For the attention implementation spec["impl"]: its attend function, its kernels' names (forward,
-  backward), the grid steps each computes, and the FLOPs and HBM bytes each declares to XLA's cost
-  analysis (none for the library's splash kernels)."""
+  """For the attention implementation spec["impl"]: its kernels' names (forward, backward), the FLOPs
+  and HBM bytes each declares to XLA's cost analysis (none for the library's splash kernels), and its
+  programs: (label, attend function, the grid steps that run it, its kernels' names). HYLA's causal
+  kernels run one program on tiles below the diagonal and another on the diagonal: each is built and
+  counted alone, for the steps that run it, as a kernel holding both would count both for every step."""
   from lm import (
       attention,
       attention_core,
@@ -97,18 +99,23 @@ def _kernels(spec: dict, itemsize: int):
 
   rows, T, H, causal = spec["rows"], spec["seq_len"], spec["heads"], spec["causal"]
   if spec["impl"] == "splash":
+    names = (softmax.SPLASH_FORWARD, softmax.SPLASH_BACKWARD)
     attend = functools.partial(softmax.attend_splash, causal=causal)
-    return attend, (softmax.SPLASH_FORWARD,
-                    softmax.SPLASH_BACKWARD), rows * H * softmax.splash_visible_blocks(T, causal), {}
+    return names, {}, [("all", attend, rows * H * softmax.splash_visible_blocks(T, causal), names)]
   if spec["impl"] == "pallas_linear":
+    names = (linear.FORWARD, linear.BACKWARD)
     attend = functools.partial(linear.attend_pallas_linear, causal=causal)
     declared = linear.kernel_costs(causal, (rows, H, T, spec["head_dim"]), itemsize)
-    return attend, (linear.FORWARD, linear.BACKWARD), rows * H * linear.visible_tiles(T, causal), declared
+    return names, declared, [("all", attend, rows * H * linear.visible_tiles(T, causal), names)]
   knobs = attention_core.Knobs(**spec["knobs"])
   keep_z = attention.keeps_z(spec["impl"])
   attend = functools.partial(hyper.attend_pallas_hypernetwork, knobs=knobs, causal=causal, keep_z=keep_z)
   declared = hyper.kernel_costs(knobs, causal, (rows, H, T, spec["head_dim"]), itemsize, keep_z)
-  return attend, (hyper.FORWARD, hyper.BACKWARD), rows * hyper.visible_tiles(T, causal), declared
+  names = (hyper.FORWARD, hyper.BACKWARD)
+  return names, declared, [(only or "all", functools.partial(attend, only=only), rows * steps,
+                            tuple(hyper.program_name(n, only)
+                                  for n in names))
+                           for only, steps in hyper.tile_programs(T, causal)]
 
 
 def _compile_and_read(spec: dict) -> dict:
@@ -126,20 +133,29 @@ def _compile_and_read(spec: dict) -> dict:
     x = jax.ShapeDtypeStruct((spec["rows"], spec["seq_len"], spec["heads"], spec["head_dim"]),
                              jnp.dtype(spec["dtype"]), sharding=on_chip)
     seg = jax.ShapeDtypeStruct((spec["rows"], spec["seq_len"]), jnp.int32, sharding=on_chip)
-    attend, names, steps, declared = _kernels(spec, x.dtype.itemsize)
+    names, declared, programs = _kernels(spec, x.dtype.itemsize)
 
-    def loss(q, k, v, segment_ids):  # uses the output, so the forward kernel stays
-      out = attend(q, k, v, segment_ids=segment_ids if spec["segments"] else None)
-      return jnp.square(out.astype(jnp.float32)).sum()
+    def loss(q, k, v, segment_ids):  # uses the outputs, so the forward kernels stay
+      outs = [
+          attend(q, k, v, segment_ids=segment_ids if spec["segments"] else None)
+          for _, attend, _, _ in programs
+      ]
+      return sum(jnp.square(out.astype(jnp.float32)).sum() for out in outs)
 
     jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg).compile()
     out = {"device_kind": chip.device_kind}
-    for name, kernel in zip(("forward", "backward"), names):
-      n = bundles(dump, kernel)
+    for i, (name, kernel) in enumerate(zip(("forward", "backward"), names)):
+      parts = [
+          dict(tiles=label, kernel=kernels[i], bundles_per_step=bundles(dump, kernels[i]), steps=steps,
+               units=units(dump, kernels[i])) for label, _, steps, kernels in programs
+      ]
+      cycles, steps = sum(p["bundles_per_step"] * p["steps"] for p in parts), sum(p["steps"] for p in parts)
       cost = declared.get(kernel)
-      out[name] = dict(kernel=kernel, bundles_per_step=n, visible_steps=steps, cycles=n * steps,
-                       flops=cost.flops if cost else 0, hbm_bytes=cost.bytes_accessed if cost else 0,
-                       units=units(dump, kernel), operations=operations(dump, kernel))
+      # A grid step's bundles: the one program's, or the programs' average over the steps.
+      out[name] = dict(kernel=kernel, bundles_per_step=round(cycles / steps), visible_steps=steps,
+                       cycles=cycles, programs=parts, flops=cost.flops if cost else 0,
+                       hbm_bytes=cost.bytes_accessed if cost else 0, units=units(dump, parts[0]["kernel"]),
+                       operations=operations(dump, parts[0]["kernel"]))
     return out
 
 

@@ -37,6 +37,14 @@ key block, written to HBM and summed by XLA: 1.4 GB per chip and step by the com
 configs/c4_50m.py). Causal tiles wholly above the diagonal are neither computed nor fetched.
 No bias, no dropout: lm/attention.py's table sends those calls to the blocked kernel.
 
+Causal tiles on the diagonal are packed. Their first half of queries sees only the first half of the
+keys, so the value network's per-query work on them (z, the per-query products, dz, dv) goes two
+queries to a row of 128 lanes, the second query's keys rolled to the high lanes (`_packed`): 96 rows
+a diagonal tile instead of 128; the scores and weights are formed for the whole tile as before. Both
+kernels hold a program for the whole tiles below the diagonal and one for the packed tiles on it
+(`_branches`); the compiler's schedule of a kernel counts every branch in every grid step, so
+launch/kernel_schedule.py builds each program alone (`only`) and counts it for the steps that run it.
+
 keep_z: the forward kernel also writes each visible tile's z to HBM, in the compute dtype, and the
 backward kernel reads it back instead of recomputing it: 16 of its 24 multiply-adds per (query, key,
 d) triple left on the vector unit, for [rows, visible tiles, BQ, d, BK] in memory per layer (20 MiB a
@@ -59,10 +67,14 @@ from jax.experimental.pallas import tpu as pltpu
 from lm import attention_core as core
 
 # Of tiles of 16, 32, 64 and 128 queries, 128 has the fewest bundles per token in the compiler's
-# schedule for v5e, though causal tiles on the diagonal are computed whole (benchmarks/kernel_schedule.py).
+# schedule for v5e (benchmarks/kernel_schedule.py; measured before the diagonal tiles were packed).
 # A tile's float32 [BQ, d, BK] arrays (z, φ(z), dz) are 4 MB each at d = 64; the backward kernel holds
 # several beside its blocks, so the scoped VMEM limit is raised from 16 MB (a v5e chip has 128 MiB).
 BLOCK_Q, BLOCK_K = 128, 128
+# A causal diagonal tile's first 2 x PACK queries see only its first HALF keys: queries p and PACK + p
+# share a row (`_packed`), so the tile takes BLOCK_Q - PACK rows instead of BLOCK_Q.
+HALF = BLOCK_K // 2
+PACK = BLOCK_Q // 4
 FORWARD, BACKWARD = "hypernetwork_fwd", "hypernetwork_bwd"  # the kernels' pallas_call names
 VMEM_LIMIT = 32 * 2**20
 # The backward kernel's float32 dq for a whole row, on top of VMEM_LIMIT: 1 MiB at c4_50m's 512 tokens,
@@ -73,11 +85,15 @@ DQ_ACC_LIMIT = 64 * 2**20
 def attend_pallas_hypernetwork(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: core.Knobs,
                                causal: bool = True, segment_ids: jax.Array | None = None,
                                batch_axes: tuple[str, ...] = (), interpret: bool = False,
-                               keep_z: bool = False) -> jax.Array:
+                               keep_z: bool = False, only: str | None = None) -> jax.Array:
   """attention_core.reference's contract for the hypernetwork value network with rms_head or none
   normalisation, lengths a multiple of BLOCK_K, on each device's shard. interpret: Pallas's
-  interpreter (any backend). keep_z: z kept from the forward pass for the backward (module docstring)."""
-  local = lambda q, k, v, seg, _: _attend(q, k, v, seg, static=_Static(knobs, causal, interpret, keep_z))
+  interpreter (any backend). keep_z: z kept from the forward pass for the backward (module docstring).
+  only: "below" or "diagonal" builds kernels that compute only those causal tiles, named
+  `program_name(FORWARD or BACKWARD, only)`, to count each program's schedule alone
+  (launch/kernel_schedule.py): their results are not the attention."""
+  static = _Static(knobs, causal, interpret, keep_z, only)
+  local = lambda q, k, v, seg, _: _attend(q, k, v, seg, static=static)
   return core.per_device(local, q, k, v, segment_ids, None, batch_axes, split_heads=False)
 
 
@@ -96,6 +112,7 @@ class _Static:
   causal: bool
   interpret: bool
   keep_z: bool
+  only: str | None = None  # attend_pallas_hypernetwork's
 
 
 def _tile_index(causal: bool, i, j, nk: int):
@@ -154,10 +171,37 @@ def _row(a_ref, h: int, q: int) -> jax.Array:
   return a_ref[h, pl.ds(q, 1), :]
 
 
-def _z(a_ref, vt_hdk) -> jax.Array:
-  """z [BQ, d, BK] = Σ_h a_h vᵀ_h, one query at a time, a's rows from a_ref (`_row`)."""
+def _z(a_ref, vt_hdk, rows: range | None = None) -> jax.Array:
+  """z [rows, d, BK] = Σ_h a_h vᵀ_h, one query at a time (all of a_ref's rows by default), a's rows from
+  a_ref (`_row`)."""
   H, bq = a_ref.shape[:2]
-  return jnp.stack([_sum_terms([_row(a_ref, h, q) * vt_hdk[h] for h in range(H)]) for q in range(bq)])
+  return jnp.stack([_sum_terms([_row(a_ref, h, q) * vt_hdk[h] for h in range(H)]) for q in rows or range(bq)])
+
+
+def _low(shape) -> jax.Array:
+  """The mask of the low half of the lanes (the last axis), where a packed row holds its first query."""
+  return jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1) < HALF
+
+
+def _packed(x_hqk) -> jax.Array:
+  """[.., PACK, BK]: rows p of x_hqk [.., BQ, BK] on the low lanes and rows PACK + p, their first HALF
+  lanes rolled to the high ones (where a diagonal tile's first half of queries is all masked)."""
+  lo, hi = x_hqk[..., :PACK, :], x_hqk[..., PACK:2 * PACK, :]
+  return jnp.where(_low(lo.shape), lo, pltpu.roll(hi, HALF, lo.ndim - 1))
+
+
+def _unpacked(x_hpk) -> jax.Array:
+  """[.., 2 PACK, BK] from packed rows [.., PACK, BK], the lanes past HALF zero: `_packed` undone."""
+  low = _low(x_hpk.shape)
+  rolled = pltpu.roll(x_hpk, HALF, x_hpk.ndim - 1)
+  return jnp.concatenate([jnp.where(low, x_hpk, 0.0), jnp.where(low, rolled, 0.0)], axis=-2)
+
+
+def _two_queries(a_phk) -> jax.Array:
+  """[PACK, 2H, BK]: a packed row's weights as two queries' rows, the first query's heads on the low
+  lanes and the second's on the high ones, for the products per packed row."""
+  low = _low(a_phk.shape)
+  return jnp.concatenate([jnp.where(low, a_phk, 0.0), jnp.where(low, 0.0, a_phk)], axis=1)
 
 
 def _da(da_out_qhk, dz_qdk, vt_hdk, dtype) -> jax.Array:
@@ -184,69 +228,143 @@ def _da(da_out_qhk, dz_qdk, vt_hdk, dtype) -> jax.Array:
   return jnp.swapaxes(da_out_qhk + da_z_qhk, 0, 1)
 
 
-def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref, a_ref):
-  """Keeps the tile's weights a in a_ref [H, BQ, BK] and returns the cotangent ds [1, H, BQ, BK] of the
-  scaled scores (the caller applies 1/sqrt(d) for dq and dk) and dz [BQ, d, BK], given the output's
-  cotangent g [H, BQ, d]; z (for relu φ(z), `_keeps_output`) read from z_ref when the forward pass kept
-  it, else recomputed."""
+def _doubled(vt_hdk) -> jax.Array:
+  """vᵀ [H, d, BK] with its first HALF keys on both halves of the lanes, for packed rows."""
+  return jnp.where(_low(vt_hdk.shape), vt_hdk, pltpu.roll(vt_hdk, HALF, 2))
+
+
+def _branches(static: _Static, i, j):
+  """When a grid step at query block i and key block j computes a whole tile, and when a packed
+  diagonal one (None: never, in this build of the kernel)."""
+  if not static.causal:
+    return True, None
+  whole, diagonal = j < i, i == j  # BLOCK_Q == BLOCK_K: the diagonal tile is (i, i)
+  return {None: (whole, diagonal), "below": (whole, None), "diagonal": (None, diagonal)}[static.only]
+
+
+def _kept(static: _Static, z_ref, rows: slice, recompute):
+  """φ(z) of a tile's rows `rows` and φ's pullback, from what the forward pass kept in z_ref (for relu
+  φ(z), `_keeps_output`), or from z = recompute() when it kept nothing."""
+  if z_ref is not None and _keeps_output(static):
+    p_qdk = z_ref[0, 0, rows]
+    positive_qdk = p_qdk.astype(jnp.float32) > 0
+    return p_qdk, lambda dp_qdk: jnp.where(positive_qdk, dp_qdk, 0.0)
+  z_qdk = recompute() if z_ref is None else z_ref[0, 0, rows].astype(jnp.float32)
+  p_qdk, pullback = jax.vjp(core.NONLINEARITIES[static.knobs.nonlinearity], z_qdk)
+  return p_qdk, lambda dp_qdk: pullback(dp_qdk)[0]
+
+
+def _row_grads(g_qhd, a_qhk, p_qdk, phi_pullback):
+  """For rows of queries with g [Q, H', d], a [Q, H', BK] and φ(z) [Q, d, BK]: dz [Q, d, BK] and the
+  weights' cotangent through the output, Σ_d g_h · φ(z), [Q, H', BK]. φ(z)'s cotangent Σ_h g_h a_h
+  takes operands in the compute dtype, as the MXU rounds them on TPU anyway: g as it arrives, a
+  rounded (in bfloat16, half the MXU's pushes of float32 operands)."""
+  dz_qdk = phi_pullback(_per_query(g_qhd, a_qhk.astype(g_qhd.dtype), 1, 1))
+  return dz_qdk, _per_query(g_qhd.astype(p_qdk.dtype), p_qdk, 2, 1)
+
+
+def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref, a_ref,
+                ap_ref, diagonal: bool):
+  """Keeps the tile's weights a in a_ref [H, BQ, BK] (and, on the diagonal, the packed rows' in ap_ref
+  [H, PACK, BK]) and returns the cotangent ds [1, H, BQ, BK] of the scaled scores (the caller applies
+  1/sqrt(d) for dq and dk) and dz: [BQ, d, BK], or on the diagonal the packed rows' [PACK, d, BK] and
+  the whole rows' [BQ - 2 PACK, d, BK]; given the output's cotangent g [H, BQ, d]; z (for relu φ(z))
+  read from z_ref when the forward pass kept it, else recomputed."""
   segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
   mask_11qk, normalize_pullback, a_1hqk, vt_hdk = _tile(static, q0, k0, q_ref[0], k_ref, vt_ref, segq_q1,
                                                         segk_1k, a_ref)
-  if z_ref is not None and _keeps_output(static):
-    p_qdk = z_ref[0, 0]
-    positive_qdk = p_qdk.astype(jnp.float32) > 0
-    phi_pullback = lambda dp_qdk: (jnp.where(positive_qdk, dp_qdk, 0.0),)
-  else:
-    z_qdk = _z(a_ref, vt_hdk) if z_ref is None else z_ref[0, 0].astype(jnp.float32)
-    p_qdk, phi_pullback = jax.vjp(core.NONLINEARITIES[static.knobs.nonlinearity], z_qdk)
-  # φ(z)'s cotangent Σ_h g_h a_h with operands in the compute dtype, as the MXU rounds them on TPU
-  # anyway: g as it arrives, a rounded (in bfloat16, half the MXU's pushes of float32 operands).
   g_qhd = jnp.swapaxes(g_ref[0], 0, 1)
-  dz_qdk = phi_pullback(_per_query(g_qhd, jnp.swapaxes(a_1hqk[0], 0, 1).astype(g_qhd.dtype), 1, 1))[0]
-  # a_h's cotangent: through the output (Σ_d g_h · φ(z)) and through z (Σ_d dz · v_h).
-  da_1hqk = _da(_per_query(g_qhd.astype(p_qdk.dtype), p_qdk, 2, 1), dz_qdk, vt_hdk, q_ref.dtype)[None]
-  ds_1hqk = normalize_pullback(da_1hqk)[0]
+  a_qhk = jnp.swapaxes(a_1hqk[0], 0, 1)
+  if diagonal:
+    H, bq = a_1hqk.shape[1:3]
+    ap_ref[...] = _packed(a_1hqk[0])
+    vt2_hdk, rest = _doubled(vt_hdk), range(2 * PACK, bq)
+    p_pdk, phi_pullback = _kept(static, z_ref, slice(0, PACK), lambda: _z(ap_ref, vt2_hdk))
+    g2_phd = jnp.concatenate([g_qhd[:PACK], g_qhd[PACK:2 * PACK]], axis=1)
+    dz_pdk, da2_phk = _row_grads(g2_phd, _two_queries(jnp.swapaxes(ap_ref[...], 0, 1)), p_pdk, phi_pullback)
+    da_out_phk = jnp.where(_low(da2_phk[:, :H].shape), da2_phk[:, :H], da2_phk[:, H:])
+    p_fdk, phi_pullback = _kept(static, z_ref, slice(2 * PACK, bq), lambda: _z(a_ref, vt_hdk, rest))
+    dz_fdk, da_out_fhk = _row_grads(g_qhd[2 * PACK:], a_qhk[2 * PACK:], p_fdk, phi_pullback)
+    da_hqk = jnp.concatenate([
+        _unpacked(_da(da_out_phk, dz_pdk, vt2_hdk, q_ref.dtype)),
+        _da(da_out_fhk, dz_fdk, vt_hdk, q_ref.dtype)
+    ], axis=1)
+    dz = (dz_pdk, dz_fdk)
+  else:
+    p_qdk, phi_pullback = _kept(static, z_ref, slice(None), lambda: _z(a_ref, vt_hdk))
+    dz, da_out_qhk = _row_grads(g_qhd, a_qhk, p_qdk, phi_pullback)
+    da_hqk = _da(da_out_qhk, dz, vt_hdk, q_ref.dtype)
+  ds_1hqk = normalize_pullback(da_hqk[None])[0]
   if mask_11qk is not None:
     ds_1hqk = jnp.where(mask_11qk, ds_1hqk, 0.0)
-  return ds_1hqk, dz_qdk
+  return ds_1hqk, dz
 
 
 def _forward_kernel(*refs, static, segments):
   q_ref, k_ref, vt_ref = refs[:3]
   segq_ref, segk_ref = refs[3:5] if segments else (None, None)
-  out_ref, z_ref, acc_ref, a_ref = refs[-4:] if static.keep_z else (refs[-3], None, *refs[-2:])
+  out_ref, z_ref, acc_ref, a_ref, ap_ref = refs[-5:] if static.keep_z else (refs[-4], None, *refs[-3:])
   i, j = pl.program_id(1), pl.program_id(2)
   bq, bk = q_ref.shape[2], k_ref.shape[2]
+  whole, diagonal = _branches(static, i, j)
+  keep = lambda z, p: (p if _keeps_output(static) else z).astype(z_ref.dtype)
 
   @pl.when(j == 0)
   def _():
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  @pl.when(core.block_visible(static.causal, i, j, bq, bk))
-  def _():
+  def tile():
     segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
-    _, _, a_1hqk, vt_hdk = _tile(static, i * bq, j * bk, q_ref[0], k_ref, vt_ref, segq_q1, segk_1k, a_ref)
+    return _tile(static, i * bq, j * bk, q_ref[0], k_ref, vt_ref, segq_q1, segk_1k, a_ref)[2:]
+
+  def whole_tile():
+    a_1hqk, vt_hdk = tile()
     z_qdk = _z(a_ref, vt_hdk)
     p_qdk = core.NONLINEARITIES[static.knobs.nonlinearity](z_qdk)
     if z_ref is not None:
-      z_ref[0, 0] = (p_qdk if _keeps_output(static) else z_qdk).astype(z_ref.dtype)
+      z_ref[0, 0] = keep(z_qdk, p_qdk)
     acc_ref[...] += _per_query(jnp.swapaxes(a_1hqk[0], 0, 1), p_qdk, 2, 2)
+
+  def diagonal_tile():
+    a_1hqk, vt_hdk = tile()
+    H = a_1hqk.shape[1]
+    ap_ref[...] = _packed(a_1hqk[0])
+    phi = core.NONLINEARITIES[static.knobs.nonlinearity]
+    z_pdk, z_fdk = _z(ap_ref, _doubled(vt_hdk)), _z(a_ref, vt_hdk, range(2 * PACK, bq))
+    p_pdk, p_fdk = phi(z_pdk), phi(z_fdk)
+    if z_ref is not None:
+      z_ref[0, 0, :PACK] = keep(z_pdk, p_pdk)
+      z_ref[0, 0, 2 * PACK:] = keep(z_fdk, p_fdk)
+    out2_phd = _per_query(_two_queries(jnp.swapaxes(ap_ref[...], 0, 1)), p_pdk, 2, 2)
+    out_fhd = _per_query(jnp.swapaxes(a_1hqk[0, :, 2 * PACK:], 0, 1), p_fdk, 2, 2)
+    acc_ref[...] += jnp.concatenate([out2_phd[:, :H], out2_phd[:, H:], out_fhd], axis=0)
+
+  for when, compute in ((whole, whole_tile), (diagonal, diagonal_tile)):
+    if when is not None:
+      pl.when(when)(compute)
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
     out_ref[0] = jnp.swapaxes(acc_ref[...], 0, 1).astype(out_ref.dtype)
 
 
+def _fold(x_dk) -> jax.Array:
+  """A packed rows' sum [d, BK] onto its keys: both halves of the lanes added on the low ones."""
+  return jnp.where(_low(x_dk.shape), x_dk + pltpu.roll(x_dk, HALF, 1), 0.0)
+
+
 def _backward_kernel(*refs, static, segments):
   """dk and dv accumulated over the query blocks of key block j, dq over the key blocks of the row
-  (dq_acc [query blocks, H, BQ, d]), written at the last key block; a_ref holds the tile's weights."""
+  (dq_acc [query blocks, H, BQ, d]), written at the last key block; a_ref holds the tile's weights
+  (ap_ref the packed rows' on the diagonal)."""
   q_ref, k_ref, vt_ref, g_ref = refs[:4]
   z_ref = refs[4] if static.keep_z else None
   segq_ref, segk_ref = refs[4 + static.keep_z:][:2] if segments else (None, None)
-  dq_ref, dk_ref, dvt_ref, dq_acc_ref, dk_acc_ref, dvt_acc_ref, a_ref = refs[-7:]
+  dq_ref, dk_ref, dvt_ref, dq_acc_ref, dk_acc_ref, dvt_acc_ref, a_ref, ap_ref = refs[-8:]
   j, i = pl.program_id(1), pl.program_id(2)
   _, H, bq, d = q_ref.shape
   bk = k_ref.shape[2]
+  whole, diagonal = _branches(static, i, j)
 
   @pl.when(i == 0)
   def _():
@@ -257,17 +375,26 @@ def _backward_kernel(*refs, static, segments):
   def _():
     dq_acc_ref[i] = jnp.zeros(dq_acc_ref.shape[1:], jnp.float32)
 
-  @pl.when(core.block_visible(static.causal, i, j, bq, bk))
-  def _():
-    ds_1hqk, dz_qdk = _tile_grads(static, i * bq, j * bk, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref,
-                                  z_ref, a_ref)
+  def accumulate(on_diagonal: bool):
+    ds_1hqk, dz = _tile_grads(static, i * bq, j * bk, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref,
+                              a_ref, ap_ref, on_diagonal)
     contract_q = (((0,), (0,)), ((), ()))
     for h in range(H):
       ds_qk = ds_1hqk[0, h].astype(q_ref.dtype)
       dq_acc_ref[i, h] += jnp.dot(ds_qk, k_ref[0, h], preferred_element_type=jnp.float32) * d**-0.5
       dk_acc_ref[h] += jax.lax.dot_general(ds_qk, q_ref[0, h], contract_q,
                                            preferred_element_type=jnp.float32) * d**-0.5
-      dvt_acc_ref[h] += _sum_terms([_row(a_ref, h, q) * dz_qdk[q] for q in range(bq)])
+      if on_diagonal:
+        dz_pdk, dz_fdk = dz
+        dvt_acc_ref[h] += (
+            _fold(_sum_terms([_row(ap_ref, h, p) * dz_pdk[p] for p in range(PACK)])) +
+            _sum_terms([_row(a_ref, h, 2 * PACK + q) * dz_dk for q, dz_dk in enumerate(dz_fdk)]))
+      else:
+        dvt_acc_ref[h] += _sum_terms([_row(a_ref, h, q) * dz[q] for q in range(bq)])
+
+  for when, on_diagonal in ((whole, False), (diagonal, True)):
+    if when is not None:
+      pl.when(when)(functools.partial(accumulate, on_diagonal))
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _():
@@ -309,8 +436,8 @@ def _specs(static: _Static, shape, segments: bool, *, keys_outer: bool, with_g: 
 
 
 def _weights_scratch(H: int):
-  """Both kernels' scratch for a tile's weights a (`_row`)."""
-  return pltpu.VMEM((H, BLOCK_Q, BLOCK_K), jnp.float32)
+  """Both kernels' scratch for a tile's weights a and a diagonal tile's packed rows of them (`_row`)."""
+  return [pltpu.VMEM((H, BLOCK_Q, BLOCK_K), jnp.float32), pltpu.VMEM((H, PACK, BLOCK_K), jnp.float32)]
 
 
 def visible_tiles(T: int, causal: bool) -> int:
@@ -318,25 +445,41 @@ def visible_tiles(T: int, causal: bool) -> int:
   return core.visible_blocks(T, BLOCK_Q, BLOCK_K, causal)
 
 
+def tile_programs(T: int, causal: bool) -> list[tuple[str | None, int]]:
+  """The kernels' programs for tiles of a kind, as attend_pallas_hypernetwork's `only` builds them
+  alone, and how many grid steps of a batch row run each: causally, the tiles below the diagonal
+  (whole) and those on it (packed); otherwise every tile, whole."""
+  n = T // BLOCK_Q
+  return [("below", n * (n - 1) // 2), ("diagonal", n)] if causal else [(None, n * n)]
+
+
+def program_name(kernel: str, only: str | None) -> str:
+  """The pallas_call name of `kernel` (FORWARD, BACKWARD) built with attend_pallas_hypernetwork's
+  `only`."""
+  return kernel if only is None else f"{kernel}_{only}"
+
+
 def kernel_costs(knobs: core.Knobs, causal: bool, shape, itemsize: int,
                  keep_z: bool = False) -> dict[str, pl.CostEstimate]:
   """Each kernel's work for q, k, v of `shape` [B, H, T, d], as XLA's cost analysis counts it: H x d
-  multiply-adds per pair of every visible tile and product (3 forward, 8 backward; 7 with keep_z), and
-  HBM traffic. Forward: q and the output once, k and vᵀ once per visible tile; backward: k, vᵀ, dq, dk
-  and dvᵀ once, q and g once per visible tile; with keep_z, every visible tile's z written forward and
-  read backward."""
+  multiply-adds per pair and product, on every pair of a visible tile for the products with the scores
+  (forward 1, backward 3), on the pairs computed for the value network's (forward 2, backward 5, 4 with
+  keep_z; a causal diagonal tile packs its rows into BLOCK_Q - PACK), and HBM traffic. Forward: q and
+  the output once, k and vᵀ once per visible tile; backward: k, vᵀ, dq, dk and dvᵀ once, q and g once per
+  visible tile; with keep_z, every visible tile's z written forward and read backward."""
   B, H, T, d = shape
   tiles = visible_tiles(T, causal)
+  packed = sum(n * (BLOCK_Q - PACK * (only == "diagonal")) for only, n in tile_programs(T, causal))
   row = H * d * itemsize
   z_bytes = keep_z * B * tiles * BLOCK_Q * BLOCK_K * d * itemsize
 
-  def cost(products: int, outer_arrays: int, inner_arrays: int) -> pl.CostEstimate:
+  def cost(products: int, value_products: int, outer_arrays: int, inner_arrays: int) -> pl.CostEstimate:
     return pl.CostEstimate(
-        flops=2 * B * tiles * BLOCK_Q * BLOCK_K * H * d * products,
+        flops=2 * B * BLOCK_K * H * d * (tiles * BLOCK_Q * products + packed * value_products),
         transcendentals=B * tiles * BLOCK_Q * BLOCK_K * (knobs.normalization == "rms_head"),
         bytes_accessed=B * row * (outer_arrays * T + inner_arrays * tiles * BLOCK_K) + z_bytes)
 
-  return {FORWARD: cost(3, 2, 2), BACKWARD: cost(8 - keep_z, 5, 2)}
+  return {FORWARD: cost(1, 2, 2, 2), BACKWARD: cost(3, 5 - keep_z, 5, 2)}
 
 
 def _costs(static: _Static, q_bhtd) -> dict[str, pl.CostEstimate]:
@@ -381,10 +524,9 @@ def _core_fwd(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt):
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((BLOCK_Q, H, d), jnp.float32),
-                      _weights_scratch(H)],
+      scratch_shapes=[pltpu.VMEM((BLOCK_Q, H, d), jnp.float32), *_weights_scratch(H)],
       cost_estimate=_costs(static, q_bhtd)[FORWARD],
-      name=FORWARD,
+      name=program_name(FORWARD, static.only),
       **core.kernel_params(static.interpret, ("parallel", "parallel", "arbitrary"), VMEM_LIMIT),
   )(q_bhtd, k_bhtd, vt_bhdt, *core.segment_blocks(seg_bt))
   return out, (q_bhtd, k_bhtd, vt_bhdt, seg_bt, z)
@@ -418,10 +560,10 @@ def _core_bwd(static, residuals, g_bhtd):
           dq_acc,
           pltpu.VMEM((H, BLOCK_K, d), jnp.float32),
           pltpu.VMEM((H, d, BLOCK_K), jnp.float32),
-          _weights_scratch(H)
+          *_weights_scratch(H),
       ],
       cost_estimate=_costs(static, q_bhtd)[BACKWARD],
-      name=BACKWARD,
+      name=program_name(BACKWARD, static.only),
       **core.kernel_params(static.interpret, ("parallel", "arbitrary", "arbitrary"),
                            VMEM_LIMIT + _dq_acc_bytes(q_bhtd.shape)),
   )(*args)
