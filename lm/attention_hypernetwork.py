@@ -37,13 +37,16 @@ key block, written to HBM and summed by XLA: 1.4 GB per chip and step by the com
 configs/c4_50m.py). Causal tiles wholly above the diagonal are neither computed nor fetched.
 No bias, no dropout: lm/attention.py's table sends those calls to the blocked kernel.
 
-Causal tiles on the diagonal are packed. Their first half of queries sees only the first half of the
-keys, so the value network's per-query work on them (z, the per-query products, dz, dv) goes two
-queries to a row of 128 lanes, the second query's keys rolled to the high lanes (`_packed`): 96 rows
-a diagonal tile instead of 128; the scores and weights are formed for the whole tile as before. Both
-kernels hold a program for the whole tiles below the diagonal and one for the packed tiles on it
-(`_branches`); the compiler's schedule of a kernel counts every branch in every grid step, so
-launch/kernel_schedule.py builds each program alone (`only`) and counts it for the steps that run it.
+Causal tiles on the diagonal are packed. In 8 groups of 16 queries, group m sees only the tile's first
+16 (m + 1) keys, so two groups whose keys add up to 128 share rows of 128 lanes, the second group's keys
+rolled to the lanes the first leaves free (`_Rows`, `_row_sets`): the value network's per-query work
+(z, the per-query products, dz, dv) takes 72 rows a diagonal tile instead of 128, while the scores and
+weights are formed for the whole tile as before (by the schedule, backward 13,667 -> 9,430 bundles a
+diagonal grid step, forward 6,073 -> 4,365; with 2, 4 or 16 groups the diagonal tiles took 11,267,
+10,651, 9,470 and 5,050, 4,535, 4,490). Each kernel holds a program for the whole tiles below the
+diagonal and one for the packed tiles on it (`_branches`); the compiler's schedule counts every branch
+of a program in every grid step, so launch/kernel_schedule.py builds each alone (`only`) and counts it
+for the steps that run it.
 
 keep_z: the forward kernel also writes each visible tile's z to HBM, in the compute dtype, and the
 backward kernel reads it back instead of recomputing it: 16 of its 24 multiply-adds per (query, key,
@@ -71,10 +74,10 @@ from lm import attention_core as core
 # A tile's float32 [BQ, d, BK] arrays (z, φ(z), dz) are 4 MB each at d = 64; the backward kernel holds
 # several beside its blocks, so the scoped VMEM limit is raised from 16 MB (a v5e chip has 128 MiB).
 BLOCK_Q, BLOCK_K = 128, 128
-# A causal diagonal tile's first 2 x PACK queries see only its first HALF keys: queries p and PACK + p
-# share a row (`_packed`), so the tile takes BLOCK_Q - PACK rows instead of BLOCK_Q.
-HALF = BLOCK_K // 2
-PACK = BLOCK_Q // 4
+# A causal diagonal tile's queries in GROUPS groups: group m sees the tile's first (m + 1) / GROUPS of
+# the keys, so two groups whose keys fill BLOCK_K lanes between them share rows (`_row_sets`; module
+# docstring).
+GROUPS = 8
 FORWARD, BACKWARD = "hypernetwork_fwd", "hypernetwork_bwd"  # the kernels' pallas_call names
 VMEM_LIMIT = 32 * 2**20
 # The backward kernel's float32 dq for a whole row, on top of VMEM_LIMIT: 1 MiB at c4_50m's 512 tokens,
@@ -171,42 +174,86 @@ def _row(a_ref, h: int, q: int) -> jax.Array:
   return a_ref[h, pl.ds(q, 1), :]
 
 
-def _z(a_ref, vt_hdk, rows: range | None = None) -> jax.Array:
-  """z [rows, d, BK] = Σ_h a_h vᵀ_h, one query at a time (all of a_ref's rows by default), a's rows from
-  a_ref (`_row`)."""
-  H, bq = a_ref.shape[:2]
-  return jnp.stack([_sum_terms([_row(a_ref, h, q) * vt_hdk[h] for h in range(H)]) for q in rows or range(bq)])
+def _z(a_ref, vt_hdk, rows: range) -> jax.Array:
+  """z [rows, d, BK] = Σ_h a_h vᵀ_h, one query at a time, a's rows from a_ref (`_row`)."""
+  return jnp.stack([_sum_terms([_row(a_ref, h, q) * vt_hdk[h] for h in range(a_ref.shape[0])]) for q in rows])
 
 
-def _low(shape) -> jax.Array:
-  """The mask of the low half of the lanes (the last axis), where a packed row holds its first query."""
-  return jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1) < HALF
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+  """Queries of a tile computed in the same rows: lo..lo + n, with their keys on the lanes below split,
+  and, when hi is set, hi..hi + n, with their keys rolled to the lanes from split on."""
+  lo: int
+  n: int
+  hi: int | None = None
+  split: int = BLOCK_K
+
+  def below(self, shape, split: int | None = None) -> jax.Array:
+    """The lanes (last axis) below split (by default the lo queries')."""
+    return jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1) < (split or self.split)
+
+  def pack(self, x_hqk) -> jax.Array:
+    """[.., n, BK] from a tile's [.., BQ, BK]: the lo queries' rows, the hi queries' rolled in."""
+    lo = x_hqk[..., self.lo:self.lo + self.n, :]
+    if self.hi is None:
+      return lo
+    hi = x_hqk[..., self.hi:self.hi + self.n, :]
+    return jnp.where(self.below(lo.shape), lo, pltpu.roll(hi, self.split, lo.ndim - 1))
+
+  def unpack(self, x) -> list[tuple[int, jax.Array]]:
+    """`pack` undone: (first query, rows [.., n, BK], the other lanes zero) for lo and hi."""
+    if self.hi is None:
+      return [(self.lo, x)]
+    back = BLOCK_K - self.split
+    return [(self.lo, jnp.where(self.below(x.shape), x, 0.0)),
+            (self.hi, jnp.where(self.below(x.shape, back), pltpu.roll(x, back, x.ndim - 1), 0.0))]
+
+  def fold(self, x_dk) -> jax.Array:
+    """A sum over the rows [d, BK] onto the keys: the hi queries' lanes added back onto theirs."""
+    return x_dk if self.hi is None else _sum_terms([x for _, x in self.unpack(x_dk)])
+
+  def spread(self, vt_hdk) -> jax.Array:
+    """vᵀ [H, d, BK] as the rows' lanes see it: the hi queries' keys rolled to theirs."""
+    return vt_hdk if self.hi is None else jnp.where(self.below(vt_hdk.shape), vt_hdk,
+                                                    pltpu.roll(vt_hdk, self.split, 2))
+
+  def queries(self, x_rhk) -> jax.Array:
+    """[n, H', BK] from the rows' [n, H, BK]: as they are, or as two queries' (H' = 2H), the lo queries'
+    on their lanes and the hi queries' on theirs, for the products per row."""
+    if self.hi is None:
+      return x_rhk
+    low = self.below(x_rhk.shape)
+    return jnp.concatenate([jnp.where(low, x_rhk, 0.0), jnp.where(low, 0.0, x_rhk)], axis=1)
+
+  def outputs(self, x_rhx) -> list[tuple[int, jax.Array]]:
+    """(first query, [n, H, ..]) of the lo and hi queries from a product's [n, H', ..] (`queries`)."""
+    H = x_rhx.shape[1] // (1 + (self.hi is not None))
+    return [(self.lo, x_rhx[:, :H])] + ([(self.hi, x_rhx[:, H:])] if self.hi is not None else [])
 
 
-def _packed(x_hqk) -> jax.Array:
-  """[.., PACK, BK]: rows p of x_hqk [.., BQ, BK] on the low lanes and rows PACK + p, their first HALF
-  lanes rolled to the high ones (where a diagonal tile's first half of queries is all masked)."""
-  lo, hi = x_hqk[..., :PACK, :], x_hqk[..., PACK:2 * PACK, :]
-  return jnp.where(_low(lo.shape), lo, pltpu.roll(hi, HALF, lo.ndim - 1))
+def _row_sets(diagonal: bool) -> tuple[_Rows, ...]:
+  """A tile's rows: every query alone, or on the causal diagonal the GROUPS groups of queries packed, the
+  last group alone, each other group m with group GROUPS - 2 - m (their keys fill the lanes), a middle
+  group with itself, its two halves on the two halves of the lanes."""
+  if not diagonal:
+    return (_Rows(0, BLOCK_Q),)
+  q = BLOCK_Q // GROUPS
+  sets = [_Rows((GROUPS - 1) * q, q)]
+  sets += [_Rows((GROUPS - 2 - m) * q, q, m * q, (GROUPS - 1 - m) * q) for m in range((GROUPS - 1) // 2)]
+  if GROUPS % 2 == 0:
+    middle = (GROUPS - 2) // 2 * q
+    sets.append(_Rows(middle, q // 2, middle + q // 2, BLOCK_K // 2))
+  return tuple(sets)
 
 
-def _unpacked(x_hpk) -> jax.Array:
-  """[.., 2 PACK, BK] from packed rows [.., PACK, BK], the lanes past HALF zero: `_packed` undone."""
-  low = _low(x_hpk.shape)
-  rolled = pltpu.roll(x_hpk, HALF, x_hpk.ndim - 1)
-  return jnp.concatenate([jnp.where(low, x_hpk, 0.0), jnp.where(low, rolled, 0.0)], axis=-2)
-
-
-def _two_queries(a_phk) -> jax.Array:
-  """[PACK, 2H, BK]: a packed row's weights as two queries' rows, the first query's heads on the low
-  lanes and the second's on the high ones, for the products per packed row."""
-  low = _low(a_phk.shape)
-  return jnp.concatenate([jnp.where(low, a_phk, 0.0), jnp.where(low, 0.0, a_phk)], axis=1)
+def _gathered(pieces: list[tuple[int, jax.Array]], axis: int) -> jax.Array:
+  """The pieces (first query, rows) joined along axis in the order of their queries."""
+  return jnp.concatenate([x for _, x in sorted(pieces, key=lambda piece: piece[0])], axis=axis)
 
 
 def _da(da_out_qhk, dz_qdk, vt_hdk, dtype) -> jax.Array:
-  """The weights' cotangent [H, BQ, BK]: da_out_qhk, the part through the output, plus Σ_d dz · v_h,
-  the part through z. In bfloat16 that sum goes query by query: the products on the vector unit,
+  """The weights' cotangent [H, Q, BK] of Q rows: da_out_qhk, the part through the output, plus Σ_d dz ·
+  v_h, the part through z. In bfloat16 that sum goes query by query: the products on the vector unit,
   rounded to bfloat16, and each head's sum over d on the MXU, as a product with a row of ones in that
   head's row (on the vector unit the sums over d, adds then a reduction across sublanes and the rows
   put back together, were a third of the backward kernel's schedule). Float32 operands would take the
@@ -226,11 +273,6 @@ def _da(da_out_qhk, dz_qdk, vt_hdk, dtype) -> jax.Array:
       for dz_dk in dz_qdk
   ])
   return jnp.swapaxes(da_out_qhk + da_z_qhk, 0, 1)
-
-
-def _doubled(vt_hdk) -> jax.Array:
-  """vᵀ [H, d, BK] with its first HALF keys on both halves of the lanes, for packed rows."""
-  return jnp.where(_low(vt_hdk.shape), vt_hdk, pltpu.roll(vt_hdk, HALF, 2))
 
 
 def _branches(static: _Static, i, j):
@@ -265,39 +307,35 @@ def _row_grads(g_qhd, a_qhk, p_qdk, phi_pullback):
 
 def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref, a_ref,
                 ap_ref, diagonal: bool):
-  """Keeps the tile's weights a in a_ref [H, BQ, BK] (and, on the diagonal, the packed rows' in ap_ref
-  [H, PACK, BK]) and returns the cotangent ds [1, H, BQ, BK] of the scaled scores (the caller applies
-  1/sqrt(d) for dq and dk) and dz: [BQ, d, BK], or on the diagonal the packed rows' [PACK, d, BK] and
-  the whole rows' [BQ - 2 PACK, d, BK]; given the output's cotangent g [H, BQ, d]; z (for relu φ(z))
-  read from z_ref when the forward pass kept it, else recomputed."""
+  """Keeps the tile's weights a in a_ref [H, BQ, BK] (packed rows' in ap_ref, at their lo queries) and
+  returns the cotangent ds [1, H, BQ, BK] of the scaled scores (the caller applies 1/sqrt(d) for dq and
+  dk) and, per set of rows (`_row_sets`), the rows, the scratch holding their weights and dz [n, d,
+  BK]; given the output's cotangent g [H, BQ, d]; z (for relu φ(z)) read from z_ref when the forward
+  pass kept it, else recomputed."""
   segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
   mask_11qk, normalize_pullback, a_1hqk, vt_hdk = _tile(static, q0, k0, q_ref[0], k_ref, vt_ref, segq_q1,
                                                         segk_1k, a_ref)
   g_qhd = jnp.swapaxes(g_ref[0], 0, 1)
-  a_qhk = jnp.swapaxes(a_1hqk[0], 0, 1)
-  if diagonal:
-    H, bq = a_1hqk.shape[1:3]
-    ap_ref[...] = _packed(a_1hqk[0])
-    vt2_hdk, rest = _doubled(vt_hdk), range(2 * PACK, bq)
-    p_pdk, phi_pullback = _kept(static, z_ref, slice(0, PACK), lambda: _z(ap_ref, vt2_hdk))
-    g2_phd = jnp.concatenate([g_qhd[:PACK], g_qhd[PACK:2 * PACK]], axis=1)
-    dz_pdk, da2_phk = _row_grads(g2_phd, _two_queries(jnp.swapaxes(ap_ref[...], 0, 1)), p_pdk, phi_pullback)
-    da_out_phk = jnp.where(_low(da2_phk[:, :H].shape), da2_phk[:, :H], da2_phk[:, H:])
-    p_fdk, phi_pullback = _kept(static, z_ref, slice(2 * PACK, bq), lambda: _z(a_ref, vt_hdk, rest))
-    dz_fdk, da_out_fhk = _row_grads(g_qhd[2 * PACK:], a_qhk[2 * PACK:], p_fdk, phi_pullback)
-    da_hqk = jnp.concatenate([
-        _unpacked(_da(da_out_phk, dz_pdk, vt2_hdk, q_ref.dtype)),
-        _da(da_out_fhk, dz_fdk, vt_hdk, q_ref.dtype)
-    ], axis=1)
-    dz = (dz_pdk, dz_fdk)
-  else:
-    p_qdk, phi_pullback = _kept(static, z_ref, slice(None), lambda: _z(a_ref, vt_hdk))
-    dz, da_out_qhk = _row_grads(g_qhd, a_qhk, p_qdk, phi_pullback)
-    da_hqk = _da(da_out_qhk, dz, vt_hdk, q_ref.dtype)
-  ds_1hqk = normalize_pullback(da_hqk[None])[0]
+  das, dzs = [], []
+  for rows in _row_sets(diagonal):
+    own = slice(rows.lo, rows.lo + rows.n)
+    weights_ref, vt_r = (a_ref, vt_hdk) if rows.hi is None else (ap_ref, rows.spread(vt_hdk))
+    if rows.hi is not None:
+      ap_ref[:, own] = rows.pack(a_1hqk[0])
+    g_r = g_qhd[own] if rows.hi is None else jnp.concatenate([g_qhd[own], g_qhd[rows.hi:rows.hi + rows.n]], 1)
+    p_rdk, phi_pullback = _kept(static, z_ref, own,
+                                lambda: _z(weights_ref, vt_r, range(rows.lo, rows.lo + rows.n)))
+    a_rhk = rows.queries(jnp.swapaxes(weights_ref[:, own], 0, 1))
+    dz_rdk, da_out_rhk = _row_grads(g_r, a_rhk, p_rdk, phi_pullback)
+    if rows.hi is not None:  # each lane's query: the lo queries' heads below split, the hi queries' above
+      lo, hi = (x for _, x in rows.outputs(da_out_rhk))
+      da_out_rhk = jnp.where(rows.below(lo.shape), lo, hi)
+    das += rows.unpack(_da(da_out_rhk, dz_rdk, vt_r, q_ref.dtype))
+    dzs.append((rows, weights_ref, dz_rdk))
+  ds_1hqk = normalize_pullback(_gathered(das, 1)[None])[0]
   if mask_11qk is not None:
     ds_1hqk = jnp.where(mask_11qk, ds_1hqk, 0.0)
-  return ds_1hqk, dz
+  return ds_1hqk, dzs
 
 
 def _forward_kernel(*refs, static, segments):
@@ -306,57 +344,42 @@ def _forward_kernel(*refs, static, segments):
   out_ref, z_ref, acc_ref, a_ref, ap_ref = refs[-5:] if static.keep_z else (refs[-4], None, *refs[-3:])
   i, j = pl.program_id(1), pl.program_id(2)
   bq, bk = q_ref.shape[2], k_ref.shape[2]
-  whole, diagonal = _branches(static, i, j)
-  keep = lambda z, p: (p if _keeps_output(static) else z).astype(z_ref.dtype)
+  phi = core.NONLINEARITIES[static.knobs.nonlinearity]
 
   @pl.when(j == 0)
   def _():
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  def tile():
+  def compute(diagonal: bool):
     segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
-    return _tile(static, i * bq, j * bk, q_ref[0], k_ref, vt_ref, segq_q1, segk_1k, a_ref)[2:]
+    _, _, a_1hqk, vt_hdk = _tile(static, i * bq, j * bk, q_ref[0], k_ref, vt_ref, segq_q1, segk_1k, a_ref)
+    outs = []
+    for rows in _row_sets(diagonal):
+      own = slice(rows.lo, rows.lo + rows.n)
+      weights_ref, vt_r = (a_ref, vt_hdk) if rows.hi is None else (ap_ref, rows.spread(vt_hdk))
+      if rows.hi is not None:
+        ap_ref[:, own] = rows.pack(a_1hqk[0])
+      z_rdk = _z(weights_ref, vt_r, range(rows.lo, rows.lo + rows.n))
+      p_rdk = phi(z_rdk)
+      if z_ref is not None:
+        z_ref[0, 0, own] = (p_rdk if _keeps_output(static) else z_rdk).astype(z_ref.dtype)
+      a_rhk = rows.queries(jnp.swapaxes(weights_ref[:, own], 0, 1))
+      outs += rows.outputs(_per_query(a_rhk, p_rdk, 2, 2))
+    acc_ref[...] += _gathered(outs, 0)
 
-  def whole_tile():
-    a_1hqk, vt_hdk = tile()
-    z_qdk = _z(a_ref, vt_hdk)
-    p_qdk = core.NONLINEARITIES[static.knobs.nonlinearity](z_qdk)
-    if z_ref is not None:
-      z_ref[0, 0] = keep(z_qdk, p_qdk)
-    acc_ref[...] += _per_query(jnp.swapaxes(a_1hqk[0], 0, 1), p_qdk, 2, 2)
-
-  def diagonal_tile():
-    a_1hqk, vt_hdk = tile()
-    H = a_1hqk.shape[1]
-    ap_ref[...] = _packed(a_1hqk[0])
-    phi = core.NONLINEARITIES[static.knobs.nonlinearity]
-    z_pdk, z_fdk = _z(ap_ref, _doubled(vt_hdk)), _z(a_ref, vt_hdk, range(2 * PACK, bq))
-    p_pdk, p_fdk = phi(z_pdk), phi(z_fdk)
-    if z_ref is not None:
-      z_ref[0, 0, :PACK] = keep(z_pdk, p_pdk)
-      z_ref[0, 0, 2 * PACK:] = keep(z_fdk, p_fdk)
-    out2_phd = _per_query(_two_queries(jnp.swapaxes(ap_ref[...], 0, 1)), p_pdk, 2, 2)
-    out_fhd = _per_query(jnp.swapaxes(a_1hqk[0, :, 2 * PACK:], 0, 1), p_fdk, 2, 2)
-    acc_ref[...] += jnp.concatenate([out2_phd[:, :H], out2_phd[:, H:], out_fhd], axis=0)
-
-  for when, compute in ((whole, whole_tile), (diagonal, diagonal_tile)):
+  for when, diagonal in zip(_branches(static, i, j), (False, True)):
     if when is not None:
-      pl.when(when)(compute)
+      pl.when(when)(functools.partial(compute, diagonal))
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
     out_ref[0] = jnp.swapaxes(acc_ref[...], 0, 1).astype(out_ref.dtype)
 
 
-def _fold(x_dk) -> jax.Array:
-  """A packed rows' sum [d, BK] onto its keys: both halves of the lanes added on the low ones."""
-  return jnp.where(_low(x_dk.shape), x_dk + pltpu.roll(x_dk, HALF, 1), 0.0)
-
-
 def _backward_kernel(*refs, static, segments):
   """dk and dv accumulated over the query blocks of key block j, dq over the key blocks of the row
   (dq_acc [query blocks, H, BQ, d]), written at the last key block; a_ref holds the tile's weights
-  (ap_ref the packed rows' on the diagonal)."""
+  (ap_ref packed rows' on the diagonal)."""
   q_ref, k_ref, vt_ref, g_ref = refs[:4]
   z_ref = refs[4] if static.keep_z else None
   segq_ref, segk_ref = refs[4 + static.keep_z:][:2] if segments else (None, None)
@@ -364,7 +387,6 @@ def _backward_kernel(*refs, static, segments):
   j, i = pl.program_id(1), pl.program_id(2)
   _, H, bq, d = q_ref.shape
   bk = k_ref.shape[2]
-  whole, diagonal = _branches(static, i, j)
 
   @pl.when(i == 0)
   def _():
@@ -375,26 +397,24 @@ def _backward_kernel(*refs, static, segments):
   def _():
     dq_acc_ref[i] = jnp.zeros(dq_acc_ref.shape[1:], jnp.float32)
 
-  def accumulate(on_diagonal: bool):
-    ds_1hqk, dz = _tile_grads(static, i * bq, j * bk, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref,
-                              a_ref, ap_ref, on_diagonal)
+  def accumulate(diagonal: bool):
+    ds_1hqk, dzs = _tile_grads(static, i * bq, j * bk, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref,
+                               a_ref, ap_ref, diagonal)
     contract_q = (((0,), (0,)), ((), ()))
     for h in range(H):
       ds_qk = ds_1hqk[0, h].astype(q_ref.dtype)
       dq_acc_ref[i, h] += jnp.dot(ds_qk, k_ref[0, h], preferred_element_type=jnp.float32) * d**-0.5
       dk_acc_ref[h] += jax.lax.dot_general(ds_qk, q_ref[0, h], contract_q,
                                            preferred_element_type=jnp.float32) * d**-0.5
-      if on_diagonal:
-        dz_pdk, dz_fdk = dz
-        dvt_acc_ref[h] += (
-            _fold(_sum_terms([_row(ap_ref, h, p) * dz_pdk[p] for p in range(PACK)])) +
-            _sum_terms([_row(a_ref, h, 2 * PACK + q) * dz_dk for q, dz_dk in enumerate(dz_fdk)]))
-      else:
-        dvt_acc_ref[h] += _sum_terms([_row(a_ref, h, q) * dz[q] for q in range(bq)])
+      dvt_acc_ref[h] += _sum_terms([
+          rows.fold(_sum_terms([_row(weights_ref, h, rows.lo + r) * dz_dk
+                                for r, dz_dk in enumerate(dz_rdk)]))
+          for rows, weights_ref, dz_rdk in dzs
+      ])
 
-  for when, on_diagonal in ((whole, False), (diagonal, True)):
+  for when, diagonal in zip(_branches(static, i, j), (False, True)):
     if when is not None:
-      pl.when(when)(functools.partial(accumulate, on_diagonal))
+      pl.when(when)(functools.partial(accumulate, diagonal))
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _():
@@ -437,7 +457,7 @@ def _specs(static: _Static, shape, segments: bool, *, keys_outer: bool, with_g: 
 
 def _weights_scratch(H: int):
   """Both kernels' scratch for a tile's weights a and a diagonal tile's packed rows of them (`_row`)."""
-  return [pltpu.VMEM((H, BLOCK_Q, BLOCK_K), jnp.float32), pltpu.VMEM((H, PACK, BLOCK_K), jnp.float32)]
+  return [pltpu.VMEM((H, BLOCK_Q, BLOCK_K), jnp.float32)] * 2
 
 
 def visible_tiles(T: int, causal: bool) -> int:
@@ -464,12 +484,13 @@ def kernel_costs(knobs: core.Knobs, causal: bool, shape, itemsize: int,
   """Each kernel's work for q, k, v of `shape` [B, H, T, d], as XLA's cost analysis counts it: H x d
   multiply-adds per pair and product, on every pair of a visible tile for the products with the scores
   (forward 1, backward 3), on the pairs computed for the value network's (forward 2, backward 5, 4 with
-  keep_z; a causal diagonal tile packs its rows into BLOCK_Q - PACK), and HBM traffic. Forward: q and
-  the output once, k and vᵀ once per visible tile; backward: k, vᵀ, dq, dk and dvᵀ once, q and g once per
-  visible tile; with keep_z, every visible tile's z written forward and read backward."""
+  keep_z; a causal diagonal tile packs its queries into fewer rows, `_row_sets`), and HBM traffic.
+  Forward: q and the output once, k and vᵀ once per visible tile; backward: k, vᵀ, dq, dk and dvᵀ once,
+  q and g once per visible tile; with keep_z, every visible tile's z written forward and read backward."""
   B, H, T, d = shape
   tiles = visible_tiles(T, causal)
-  packed = sum(n * (BLOCK_Q - PACK * (only == "diagonal")) for only, n in tile_programs(T, causal))
+  packed = sum(
+      n * sum(rows.n for rows in _row_sets(only == "diagonal")) for only, n in tile_programs(T, causal))
   row = H * d * itemsize
   z_bytes = keep_z * B * tiles * BLOCK_Q * BLOCK_K * d * itemsize
 
