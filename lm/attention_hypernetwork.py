@@ -42,8 +42,8 @@ Causal tiles on the diagonal are packed. In 8 groups of 16 queries, group m sees
 rolled to the lanes the first leaves free (`_Rows`, `_row_sets`): the value network's per-query work
 (z, the per-query products, dz, dv) takes 72 rows a diagonal tile instead of 128, while the scores and
 weights are formed for the whole tile as before (by the schedule, backward 13,667 -> 9,430 bundles a
-diagonal grid step, forward 6,073 -> 4,365; with 2, 4 or 16 groups the diagonal tiles took 11,267,
-10,651, 9,470 and 5,050, 4,535, 4,490). Each kernel holds a program for the whole tiles below the
+diagonal grid step, forward 6,073 -> 4,365; with 2, 4 or 16 groups, backward 11,267, 10,651, 9,470 and
+forward 5,050, 4,535, 4,490). Each kernel holds a program for the whole tiles below the
 diagonal and one for the packed tiles on it (`_branches`); the compiler's schedule counts every branch
 of a program in every grid step, so launch/kernel_schedule.py builds each alone (`only`) and counts it
 for the steps that run it.
@@ -246,6 +246,17 @@ def _row_sets(diagonal: bool) -> tuple[_Rows, ...]:
   return tuple(sets)
 
 
+def _weights(rows: _Rows, a_hqk, a_ref, ap_ref, vt_hdk):
+  """A set of rows' queries (a slice of the tile's), the scratch holding their weights for `_row` (a
+  packed set's stored in ap_ref at its lo queries) and vᵀ as their lanes see it."""
+  own = slice(rows.lo, rows.lo + rows.n)
+  if rows.hi is None:
+    return own, a_ref, vt_hdk
+  vt_rdk = rows.spread(vt_hdk)
+  ap_ref[:, own] = rows.pack(a_hqk)
+  return own, ap_ref, vt_rdk
+
+
 def _gathered(pieces: list[tuple[int, jax.Array]], axis: int) -> jax.Array:
   """The pieces (first query, rows) joined along axis in the order of their queries."""
   return jnp.concatenate([x for _, x in sorted(pieces, key=lambda piece: piece[0])], axis=axis)
@@ -318,10 +329,7 @@ def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, 
   g_qhd = jnp.swapaxes(g_ref[0], 0, 1)
   das, dzs = [], []
   for rows in _row_sets(diagonal):
-    own = slice(rows.lo, rows.lo + rows.n)
-    weights_ref, vt_r = (a_ref, vt_hdk) if rows.hi is None else (ap_ref, rows.spread(vt_hdk))
-    if rows.hi is not None:
-      ap_ref[:, own] = rows.pack(a_1hqk[0])
+    own, weights_ref, vt_r = _weights(rows, a_1hqk[0], a_ref, ap_ref, vt_hdk)
     g_r = g_qhd[own] if rows.hi is None else jnp.concatenate([g_qhd[own], g_qhd[rows.hi:rows.hi + rows.n]], 1)
     p_rdk, phi_pullback = _kept(static, z_ref, own,
                                 lambda: _z(weights_ref, vt_r, range(rows.lo, rows.lo + rows.n)))
@@ -355,10 +363,7 @@ def _forward_kernel(*refs, static, segments):
     _, _, a_1hqk, vt_hdk = _tile(static, i * bq, j * bk, q_ref[0], k_ref, vt_ref, segq_q1, segk_1k, a_ref)
     outs = []
     for rows in _row_sets(diagonal):
-      own = slice(rows.lo, rows.lo + rows.n)
-      weights_ref, vt_r = (a_ref, vt_hdk) if rows.hi is None else (ap_ref, rows.spread(vt_hdk))
-      if rows.hi is not None:
-        ap_ref[:, own] = rows.pack(a_1hqk[0])
+      own, weights_ref, vt_r = _weights(rows, a_1hqk[0], a_ref, ap_ref, vt_hdk)
       z_rdk = _z(weights_ref, vt_r, range(rows.lo, rows.lo + rows.n))
       p_rdk = phi(z_rdk)
       if z_ref is not None:

@@ -411,6 +411,21 @@ def test_shapes_an_impl_cannot_take_fail_clearly(impl, kw, message):
     attention.attend(q, k, v, **knobs, **kw, impl=impl)
 
 
+def test_pallas_hypernetwork_diagonal_rows_hold_each_query_once_with_its_keys():
+  """A causal diagonal tile's packed rows (attention_hypernetwork._row_sets): every query of the tile in
+  exactly one row, each with room on its lanes for every key it sees (keys 0..q of the tile), in 72 rows
+  for 128 queries; off the diagonal, one row per query."""
+  hyper = attention_hypernetwork
+  for diagonal, rows in ((False, hyper.BLOCK_Q), (True, 72)):
+    sets = hyper._row_sets(diagonal)
+    starts = [(r.lo, r.n) for r in sets] + [(r.hi, r.n) for r in sets if r.hi is not None]
+    assert sorted(q for lo, n in starts for q in range(lo, lo + n)) == list(range(hyper.BLOCK_Q))
+    assert sum(r.n for r in sets) == rows
+  for r in hyper._row_sets(True):
+    assert r.lo + r.n <= r.split  # the lo queries' last key fits below split
+    assert r.hi is None or r.hi + r.n <= hyper.BLOCK_K - r.split  # the hi queries' keys above it
+
+
 def test_pallas_hypernetwork_names_a_row_whose_dq_does_not_fit_on_chip():
   """The backward kernel keeps a row's dq in float32 on chip: 64 MiB reaches 32,768 tokens at 8 heads
   of 64 per device; one tile more is refused at trace time with the way out, not by the TPU compiler."""
