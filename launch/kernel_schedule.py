@@ -151,10 +151,11 @@ def _compile_and_read(spec: dict) -> dict:
       ]
       cycles, steps = sum(p["bundles_per_step"] * p["steps"] for p in parts), sum(p["steps"] for p in parts)
       cost = declared.get(kernel)
-      # A grid step's bundles: the one program's, or the programs' average over the steps.
+      # A grid step's bundles: the one program's, or the programs' average over the steps; units and
+      # operations: the first program's (HYLA's whole tiles').
       out[name] = dict(kernel=kernel, bundles_per_step=round(cycles / steps), visible_steps=steps,
                        cycles=cycles, programs=parts, flops=cost.flops if cost else 0,
-                       hbm_bytes=cost.bytes_accessed if cost else 0, units=units(dump, parts[0]["kernel"]),
+                       hbm_bytes=cost.bytes_accessed if cost else 0, units=parts[0]["units"],
                        operations=operations(dump, parts[0]["kernel"]))
     return out
 
