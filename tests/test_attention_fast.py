@@ -232,7 +232,7 @@ def test_pallas_kernels_on_each_device_of_a_mesh():
       import jax, jax.numpy as jnp, numpy as np
       from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
       from lm import attention, attention_hypernetwork, attention_linear, sharding
-      q, k, v, g = (jax.random.normal(key, (4, 128, 4, 8)) for key in jax.random.split(jax.random.key(6), 4))
+      q, k, v, g = (jax.random.normal(key, (4, 128, 2, 8)) for key in jax.random.split(jax.random.key(6), 4))
       seg = jnp.asarray([[0] * 60 + [1] * 68] * 2 + [[0] * 128] * 2)
       kernels = {
           "hyla": lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(
@@ -272,7 +272,7 @@ def test_pallas_hypernetwork_in_bfloat16(mxu_operands, monkeypatch):
     monkeypatch.setattr(attention_hypernetwork, "_per_query",
                         lambda x, y, cx, cy: exact_products(rounded(x), rounded(y), cx, cy))
   q, k, v, cotangent = (
-      jax.random.normal(key, (1, 128, 4, 16)) for key in jax.random.split(jax.random.key(5), 4))
+      jax.random.normal(key, (1, 128, 2, 16)) for key in jax.random.split(jax.random.key(5), 4))
   kw = dict(**attention.preset("hyla"), segment_ids=jnp.asarray([[0] * 70 + [1] * 58]))
   reference = lambda q, k, v: attention.attend(q, k, v, **kw)
   kernel = lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(
