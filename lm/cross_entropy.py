@@ -3,10 +3,10 @@
 nll_bt = logsumexp_v(s · x_btd @ w_dv) - s · (x_btd @ w_dv)[target]. The "xla" implementation forms the
 [B, T, V] logits and reduces them. The "pallas" one (TPU) never writes them: a forward kernel walks the
 vocabulary block by block keeping a running max, sum of exponentials and the target's logit per token,
-and two backward kernels recompute each block's logits to form its gradient, one accumulating dx over
-vocabulary blocks, one accumulating dw over token blocks. At V = 32,000 the logits of a v5e chip's
-8,192 tokens are 1 GB in float32, read and written several times per step by the "xla" form; the
-kernels trade that traffic for recomputing the readout's product twice in the backward pass. The
+and a backward kernel recomputes each block's logits once to form both gradients, accumulating dw over
+token blocks and dx over vocabulary blocks (dx for a chunk of tokens held on chip). At V = 32,000 the
+logits of a v5e chip's 8,192 tokens are 1 GB in float32, read and written several times per step by the
+"xla" form; the kernels trade that traffic for recomputing the readout's product once more. The
 "fused" one (XLA, CPU's choice) walks the tokens in blocks and forms each block's gradient in the same
 pass as its loss, for the weighted sum of the losses (readout_loss), whose gradient is that sum's.
 """
@@ -26,11 +26,19 @@ from lm import sharding
 IMPLS = ("auto", "xla", "pallas", "fused")
 LANES = 128
 # Block sizes (tokens; vocabulary: the largest multiple of 128 up to the maximum that divides V). The
-# forward and dx kernels read all of w once per token block, the dw kernel all of x once per
-# vocabulary block: large blocks on those axes, within VMEM (a [2048, 640] float32 tile is 5.2 MB).
-BLOCK_TOKENS, MAX_BLOCK_VOCAB = 2048, 1024
-BLOCK_TOKENS_DW, MAX_BLOCK_VOCAB_DW = 256, 4096
+# forward kernel reads all of w once per token block, the backward kernel all of x once per vocabulary
+# block: large blocks on those axes, within VMEM (a [2048, 640] float32 tile is 5.2 MB).
+BLOCK_TOKENS, BLOCK_TOKENS_BWD = 2048, 256
+# Vocabulary blocks of at most this many elements of w ([512, 4096]; 3,200 words of c4_50m's 32,000), the
+# largest that fit VMEM at every width: the forward kernel takes 2.24 ms a step on a v5e chip of c4_50m
+# in blocks of 640 words, 1.75 in 1,280, 1.43 in 3,200 (its products at 95% of the MXU's peak).
+BLOCK_VOCAB_ELEMENTS = 512 * 4096
+# The backward kernel holds dx in float32 for a chunk of tokens while it walks the vocabulary: at most
+# this much VMEM (one chunk for a v5e chip's 8,192 tokens of width 512); more chunks each give a partial
+# dw, which XLA sums.
+DX_CHUNK_BYTES = 16 * 2**20
 VMEM_LIMIT = 64 * 2**20
+FORWARD, BACKWARD = "cross_entropy_fwd", "cross_entropy_bwd"  # the kernels' pallas_call names
 # Tokens per step of the fused form's loop: [512, V] float32 logits at a time.
 FUSED_BLOCK = 512
 
@@ -249,57 +257,78 @@ def _dlogits(x_ref, w_ref, rows_ref, j, scale):
   return (p * columns[:, GRAD:GRAD + 1]).astype(x_ref.dtype)
 
 
-def _dx_kernel(x_ref, w_ref, rows_ref, dx_ref, acc_ref, *, scale):
-  j = pl.program_id(1)
+def _backward_kernel(x_ref, w_ref, rows_ref, dx_ref, dw_ref, dx_acc, dw_acc, *, scale):
+  """Both gradients from one block's logits: dw's vocabulary block j summed over the chunk's token blocks
+  i (the inner axis), dx's rows summed over the vocabulary blocks in a chunk-long scratch."""
+  j, i, bn = pl.program_id(1), pl.program_id(2), x_ref.shape[0]
+  rows = pl.ds(pl.multiple_of(i * bn, bn), bn)
+  d = _dlogits(x_ref, w_ref, rows_ref, j, scale)
+  dx = jax.lax.dot_general(d, w_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  dw = jax.lax.dot_general(x_ref[...], d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
   @pl.when(j == 0)
   def _():
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    dx_acc[rows, :] = dx
 
-  d = _dlogits(x_ref, w_ref, rows_ref, j, scale)
-  acc_ref[...] += jax.lax.dot_general(d, w_ref[...], (((1,), (1,)), ((), ())),
-                                      preferred_element_type=jnp.float32)
-
-  @pl.when(j == pl.num_programs(1) - 1)
+  @pl.when(j > 0)
   def _():
-    dx_ref[...] = acc_ref[...].astype(dx_ref.dtype)
-
-
-def _dw_kernel(x_ref, w_ref, rows_ref, dw_ref, acc_ref, *, scale):
-  j, i = pl.program_id(0), pl.program_id(1)
+    dx_acc[rows, :] += dx
 
   @pl.when(i == 0)
   def _():
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    dw_acc[...] = dw
 
-  d = _dlogits(x_ref, w_ref, rows_ref, j, scale)
-  acc_ref[...] += jax.lax.dot_general(x_ref[...], d, (((0,), (0,)), ((), ())),
-                                      preferred_element_type=jnp.float32)
-
-  @pl.when(i == pl.num_programs(1) - 1)
+  @pl.when(i > 0)
   def _():
-    dw_ref[...] = acc_ref[...].astype(dw_ref.dtype)
+    dw_acc[...] += dw
+
+  @pl.when(i == pl.num_programs(2) - 1)
+  def _():
+    dw_ref[0] = dw_acc[...].astype(dw_ref.dtype)
+
+  @pl.when(j == pl.num_programs(1) - 1)
+  def _():
+    dx_ref[...] = dx_acc[rows, :].astype(dx_ref.dtype)
 
 
-def _call(kernel, x_nd, w_dv, rows_8n, *, bn, bv, tokens_first, out_specs, out_shape, scratch, flops,
-          bytes_accessed, interpret, name, scale):
-  """A kernel over token blocks i (bn rows) and vocabulary blocks j (bv columns) taking (x, w, rows):
-  the grid walks j inside i (tokens_first) or i inside j; the inner axis is the one reduced over."""
-  (N, D), V = x_nd.shape, w_dv.shape[1]
-  ij = (lambda i, j: (i, j)) if tokens_first else (lambda j, i: (i, j))
-  at = lambda f: (lambda *g: f(*ij(*g)))
-  in_specs = [
-      pl.BlockSpec((bn, D), at(lambda i, j: (i, 0))),
-      pl.BlockSpec((D, bv), at(lambda i, j: (0, j))),
-      pl.BlockSpec((8, bn), at(lambda i, j: (0, i)))
-  ]
-  return pl.pallas_call(
-      functools.partial(kernel, scale=scale), grid=(N // bn, V // bv) if tokens_first else (V // bv, N // bn),
-      in_specs=in_specs, out_specs=out_specs(at), out_shape=out_shape, scratch_shapes=scratch,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                           vmem_limit_bytes=VMEM_LIMIT), interpret=interpret, name=name,
-      cost_estimate=pl.CostEstimate(flops=flops, transcendentals=N * V,
-                                    bytes_accessed=bytes_accessed))(x_nd, w_dv, rows_8n)
+def _blocks(D: int, V: int) -> dict[str, tuple[int, int]]:
+  """Per kernel, (token block, vocabulary block); the backward kernel's dx chunk is dx_chunk's."""
+  bv = block_vocab(V, max(LANES, BLOCK_VOCAB_ELEMENTS // D))
+  return {FORWARD: (BLOCK_TOKENS, bv), BACKWARD: (BLOCK_TOKENS_BWD, bv)}
+
+
+def dx_chunk(N: int, D: int, bn: int) -> int:
+  """Tokens per chunk of the backward kernel: the most whole token blocks dividing N whose float32 dx
+  fits DX_CHUNK_BYTES (one block at least)."""
+  return max(c * bn
+             for c in range(1, N // bn + 1)
+             if N % (c * bn) == 0 and (c == 1 or c * bn * D * 4 <= DX_CHUNK_BYTES))
+
+
+def grid_steps(N: int, D: int, V: int) -> dict[str, int]:
+  """Each kernel's grid steps for N tokens of a [D, V] readout (every step computes a block)."""
+  return {name: (N // bn) * (V // bv) for name, (bn, bv) in _blocks(D, V).items()}
+
+
+def kernel_costs(N: int, D: int, V: int, itemsize: int) -> dict[str, pl.CostEstimate]:
+  """What each kernel declares to XLA's cost analysis: its products' FLOPs, one exponential per logit,
+  and its HBM traffic (x, w and the per-token rows read once per block of the other side)."""
+  (bn, _), (_, bv) = _blocks(D, V).values()
+  x, w, rows = N * D * itemsize, D * V * itemsize, 8 * N * 4
+  chunks = N // dx_chunk(N, D, BLOCK_TOKENS_BWD)
+  dw = D * V * (itemsize if chunks == 1 else 4 * chunks)
+  cost = lambda flops, bytes_accessed: pl.CostEstimate(flops=flops, transcendentals=N * V, bytes_accessed=
+                                                       bytes_accessed)
+  return {
+      FORWARD: cost(2 * N * D * V, x + w * (N // bn) + rows + 4 * N * LANES),
+      BACKWARD: cost(6 * N * D * V, (x + rows) * (V // bv) + w + x + dw)
+  }
+
+
+def _params(N: int, D: int, V: int, itemsize: int, name: str, *semantics: str) -> dict:
+  return dict(
+      compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT),
+      cost_estimate=kernel_costs(N, D, V, itemsize)[name], name=name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -310,14 +339,19 @@ def _nll(x_nd, w_dv, targets_n, scale, interpret):
 def _nll_fwd(x_nd, w_dv, targets_n, scale, interpret):
   (N, D), V = x_nd.shape, w_dv.shape[1]
   rows_8n = jnp.zeros((8, N), jnp.float32).at[TARGET].set(targets_n)
-  bn, bv = BLOCK_TOKENS, block_vocab(V, MAX_BLOCK_VOCAB)
-  out = _call(_forward_kernel, x_nd, w_dv, rows_8n, bn=bn, bv=bv, tokens_first=True,
-              out_specs=lambda at: pl.BlockSpec(
-                  (bn, LANES), at(lambda i, j: (i, 0))), out_shape=jax.ShapeDtypeStruct(
-                      (N, LANES), jnp.float32), scratch=[pltpu.VMEM(
-                          (bn, LANES), jnp.float32)] * 3, flops=2 * N * D * V,
-              bytes_accessed=x_nd.nbytes + w_dv.nbytes * (N // bn) + rows_8n.nbytes + 4 * N * LANES,
-              interpret=interpret, name="cross_entropy_fwd", scale=scale)
+  bn, bv = _blocks(D, V)[FORWARD]
+  in_specs = [
+      pl.BlockSpec((bn, D), lambda i, j: (i, 0)),
+      pl.BlockSpec((D, bv), lambda i, j: (0, j)),
+      pl.BlockSpec((8, bn), lambda i, j: (0, i))
+  ]
+  out = pl.pallas_call(functools.partial(_forward_kernel, scale=scale), grid=(N // bn, V // bv),
+                       in_specs=in_specs, out_specs=pl.BlockSpec((bn, LANES), lambda i, j: (i, 0)),
+                       out_shape=jax.ShapeDtypeStruct(
+                           (N, LANES), jnp.float32), scratch_shapes=[pltpu.VMEM(
+                               (bn, LANES), jnp.float32)] * 3, interpret=interpret,
+                       **_params(N, D, V, x_nd.dtype.itemsize, FORWARD, "parallel", "arbitrary"))(x_nd, w_dv,
+                                                                                                  rows_8n)
   return out[:, 0], (x_nd, w_dv, rows_8n.at[LSE].set(out[:, 1]))
 
 
@@ -325,22 +359,33 @@ def _nll_bwd(scale, interpret, residuals, g_n):
   x_nd, w_dv, rows_8n = residuals
   (N, D), V = x_nd.shape, w_dv.shape[1]
   rows_8n = rows_8n.at[GRAD].set(g_n.astype(jnp.float32) * scale)
-  bn, bv = BLOCK_TOKENS, block_vocab(V, MAX_BLOCK_VOCAB)
-  dx = _call(_dx_kernel, x_nd, w_dv, rows_8n, bn=bn, bv=bv, tokens_first=True,
-             out_specs=lambda at: pl.BlockSpec(
-                 (bn, D), at(lambda i, j: (i, 0))), out_shape=jax.ShapeDtypeStruct(x_nd.shape, x_nd.dtype),
-             scratch=[pltpu.VMEM((bn, D), jnp.float32)], flops=4 * N * D * V,
-             bytes_accessed=2 * x_nd.nbytes + w_dv.nbytes * (N // bn) + rows_8n.nbytes, interpret=interpret,
-             name="cross_entropy_bwd_dx", scale=scale)
-  # dw walks every token block once per vocabulary block: wide vocabulary blocks, narrow token blocks.
-  bn, bv = BLOCK_TOKENS_DW, block_vocab(V, MAX_BLOCK_VOCAB_DW)
-  dw = _call(_dw_kernel, x_nd, w_dv, rows_8n, bn=bn, bv=bv, tokens_first=False,
-             out_specs=lambda at: pl.BlockSpec(
-                 (D, bv), at(lambda i, j: (0, j))), out_shape=jax.ShapeDtypeStruct(w_dv.shape, w_dv.dtype),
-             scratch=[pltpu.VMEM((D, bv), jnp.float32)], flops=4 * N * D * V,
-             bytes_accessed=(x_nd.nbytes + rows_8n.nbytes) * (V // bv) + 2 * w_dv.nbytes, interpret=interpret,
-             name="cross_entropy_bwd_dw", scale=scale)
-  return dx, dw, None
+  bn, bv = _blocks(D, V)[BACKWARD]
+  chunk = dx_chunk(N, D, bn)
+  C, nv, ni = N // chunk, V // bv, chunk // bn
+  # One chunk's dw is the gradient, in w's dtype; several give float32 partials to sum.
+  dw_dtype = w_dv.dtype if C == 1 else jnp.float32
+  token = lambda c, i: c * ni + i
+  dx, dw = pl.pallas_call(
+      functools.partial(_backward_kernel, scale=scale),
+      grid=(C, nv, ni),
+      in_specs=[
+          pl.BlockSpec((bn, D), lambda c, j, i: (token(c, i), 0)),
+          pl.BlockSpec((D, bv), lambda c, j, i: (0, j)),
+          pl.BlockSpec((8, bn), lambda c, j, i: (0, token(c, i)))
+      ],
+      # dx's block stays put until the last vocabulary block has written it, so each is stored once.
+      out_specs=[
+          pl.BlockSpec((bn, D), lambda c, j, i: (token(c, jnp.where(j == nv - 1, i, 0)), 0)),
+          pl.BlockSpec((1, D, bv), lambda c, j, i: (c, 0, j))
+      ],
+      out_shape=[jax.ShapeDtypeStruct(x_nd.shape, x_nd.dtype),
+                 jax.ShapeDtypeStruct((C, D, V), dw_dtype)],
+      scratch_shapes=[pltpu.VMEM((chunk, D), jnp.float32),
+                      pltpu.VMEM((D, bv), jnp.float32)],
+      interpret=interpret,
+      **_params(N, D, V, x_nd.dtype.itemsize, BACKWARD, "parallel", "arbitrary", "arbitrary"))(x_nd, w_dv,
+                                                                                               rows_8n)
+  return dx, dw[0] if C == 1 else dw.sum(0).astype(w_dv.dtype), None
 
 
 _nll.defvjp(_nll_fwd, _nll_bwd)

@@ -13,8 +13,8 @@ from small import python_on_cpu_devices
 
 from lm import cross_entropy
 
-# Two token blocks of the forward and dx kernels, 16 of the dw kernel; two vocabulary blocks of 1,024 in
-# the forward and dx kernels (one of 2,048 in dw).
+# Two token blocks of the forward kernel, 16 of the backward kernel; one vocabulary block of 2,048 in
+# both, unless a test narrows them.
 B, T, D, V = 2, 2048, 64, 2048
 
 
@@ -41,8 +41,13 @@ def test_token_nll_is_log_softmax_at_the_target():
   np.testing.assert_allclose(cross_entropy.token_nll(logits, targets), want, rtol=1e-6)
 
 
-@pytest.mark.parametrize("scale", [1.0, 0.125])
-def test_kernels_equal_the_plain_form_in_float32(scale):
+@pytest.mark.parametrize("scale,chunks", [(1.0, 1), (0.125, 4)])
+def test_kernels_equal_the_plain_form_in_float32(scale, chunks, monkeypatch):
+  """With the backward kernel's dx in one chunk of the 4,096 tokens or in 4 (whose partial dw are summed),
+  over two vocabulary blocks in both kernels."""
+  monkeypatch.setattr(cross_entropy, "BLOCK_VOCAB_ELEMENTS", D * 1024)
+  monkeypatch.setattr(cross_entropy, "DX_CHUNK_BYTES", B * T * D * 4 // chunks)
+  assert cross_entropy.dx_chunk(B * T, D, cross_entropy.BLOCK_TOKENS_BWD) == B * T // chunks
   problem = _problem()
   (loss, (dx, dw)), (want_loss,
                      (want_dx,
@@ -143,18 +148,22 @@ def test_kernels_and_the_fused_form_under_a_mesh_sum_the_readouts_gradient_over_
   assert result.stdout.strip().endswith("equal"), result.stderr[-3000:]
 
 
-def test_auto_compiles_the_kernels_for_tpu(v5e_2x2):
-  """Under impl auto, a step lowered for a v5e mesh (rows sharded over 4 chips) runs the forward and both
-  backward kernels, and compiles."""
+@pytest.mark.parametrize("rows,D", [(8, 256), (32, 1024)])
+def test_auto_compiles_the_kernels_for_tpu(v5e_2x2, rows, D):
+  """Under impl auto, a step lowered for a v5e mesh (rows sharded over 4 chips) runs the forward and the
+  backward kernel, and compiles within the chip's VMEM: 2,048 tokens a chip of width 256, and 8,192 of
+  width 1,024, whose dx the backward kernel holds in two chunks."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   mesh = Mesh(np.asarray(v5e_2x2.devices).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
-  rows = NamedSharding(mesh, P(("data", "fsdp")))
-  x = jax.ShapeDtypeStruct((8, 1024, 256), jnp.bfloat16, sharding=rows)
-  w = jax.ShapeDtypeStruct((256, 32_000), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
-  y = jax.ShapeDtypeStruct((8, 1024), jnp.int32, sharding=rows)
+  batch = NamedSharding(mesh, P(("data", "fsdp")))
+  x = jax.ShapeDtypeStruct((rows, 1024, D), jnp.bfloat16, sharding=batch)
+  w = jax.ShapeDtypeStruct((D, 32_000), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  y = jax.ShapeDtypeStruct((rows, 1024), jnp.int32, sharding=batch)
+  assert cross_entropy.dx_chunk(rows // 4 * 1024, D,
+                                cross_entropy.BLOCK_TOKENS_BWD) == min(rows // 4, 4) * 1024
   loss = lambda x, w, y: cross_entropy.readout_loss(x, w, 1.0, y, jnp.ones(y.shape))
   with jax.set_mesh(mesh):
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w, y)
   text = lowered.as_text()
-  assert all(name in text for name in ("cross_entropy_fwd", "cross_entropy_bwd_dx", "cross_entropy_bwd_dw"))
+  assert all(name in text for name in ("cross_entropy_fwd", "cross_entropy_bwd"))
   assert lowered.compile() is not None
