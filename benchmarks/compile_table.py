@@ -42,13 +42,14 @@ def row(r: dict) -> str:
   gib = compile_lib.GiB
   if not r["fits"]:
     return (f"| {r['attention']} | {r['seq_len']} | {r['batch_rows']} | does not fit: "
-            f"{r['compiler_message']} | | | | | {r['compile_seconds']:.0f} |")
+            f"{r['compiler_message']} | | | | | | {r['compile_seconds']:.0f} |")
   return (f"| {r['attention']} | {r['seq_len']} | {r['batch_rows']} | "
           f"{r['total_bytes'] / gib:.2f} GiB ({r['argument_bytes'] / gib:.2f} + "
           f"{r['temp_bytes'] / gib:.2f}) | {r['compiler_flops'] / 1e12:.2f} / "
           f"{r['model_flops'] / 1e12:.2f} | {r['compiler_bytes'] / 1e9:.1f} | "
           f"{r['estimated_step_seconds'] * 1e3:.1f} ms ({r['bound']}) | "
-          f"{r['estimated_hours']:.1f} h | {r['compile_seconds']:.0f} |")
+          f"{r['estimated_hours']:.1f} h | {r['serial_step_seconds'] * 1e3:.1f} ms, "
+          f"{r['serial_hours']:.1f} h | {r['compile_seconds']:.0f} |")
 
 
 def _below_the_table(path: str) -> str:
@@ -66,8 +67,9 @@ def main(argv):
   del argv
   header = ("| attention | context | rows per step | memory per chip: total (arguments + temporaries) "
             "| TFLOPs per chip and step: compiler / model | HBM GB per chip and step (compiler) "
-            "| estimated step time (bound) | estimated time for 130B tokens | compile s |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+            "| estimated step time (bound) | estimated time for 130B tokens "
+            "| per operation: step, 130B tokens | compile s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
   print(header, flush=True)
   rows, start = [], time.perf_counter()
   for seq_len in map(int, FLAGS.contexts):
@@ -88,7 +90,10 @@ def main(argv):
               "are 6 per parameter and token plus the attention core (lm/flops.py). **Step and run "
               "times are estimates, not measurements**: max(FLOPs / peak, HBM bytes / bandwidth) per "
               "chip, with the larger of the two FLOP counts, plus the attention's Pallas kernels as the "
-              "TPU compiler scheduled them; docs/compile.md says how far to trust "
+              "TPU compiler scheduled them; per operation, the step's operations one after another, XLA's "
+              "at the compiler's estimate of each, the attention's kernels as scheduled and the "
+              "cross-entropy's kernels at their declared FLOPs and bytes (a floor), collectives left out; "
+              "docs/compile.md says how far to trust "
               f"them. Made in {time.perf_counter() - start:.0f} s by\n\n"
               f"    python benchmarks/compile_table.py --topology={FLAGS.topology} "
               f"--attentions={','.join(FLAGS.attentions)} --contexts={','.join(FLAGS.contexts)} "

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 
@@ -22,7 +23,7 @@ from ml_collections import config_flags
 
 from launch import kernel_schedule
 from launch.topology import CHIPS, GiB, UsageError, topology_devices
-from lm import attention, attention_core, cli, flops, sharding
+from lm import attention, attention_core, cli, cross_entropy, flops, sharding
 from lm.experiment import Experiment
 
 
@@ -61,6 +62,17 @@ def kernel_schedules(exp: Experiment, impls: list[str], topology: str) -> list[d
   return schedules
 
 
+def cross_entropy_schedule(exp: Experiment, topology: str) -> dict:
+  """The readout cross-entropy's kernels as the compiler scheduled them for one chip's tokens of one
+  microbatch, counted for every microbatch (as `layers`, which kernel_seconds reads)."""
+  cfg, T, microbatches = exp.model_cfg, exp.task.seq_len, exp.config.train.microbatches
+  rows = exp.config.train.batch_size // math.prod(exp.mesh.shape[a] for a in sharding.BATCH)
+  return dict(
+      layers=microbatches,
+      **kernel_schedule.cross_entropy_schedule(tokens=rows // microbatches * T, width=cfg.D, vocab=cfg.V,
+                                               dtype=cfg.dtype, topology=topology))
+
+
 def kernel_total(schedules: list[dict], field: str) -> float:
   """A field ("cycles", "flops", "hbm_bytes") summed over the kernels of every layer that runs them."""
   return sum(s["layers"] * (s["forward"][field] + s["backward"][field]) for s in schedules)
@@ -72,6 +84,37 @@ def kernel_seconds(schedules: list[dict], chip) -> float:
   return sum(s["layers"] * max(s[k]["cycles"] / chip.clock_hz, s[k]["hbm_bytes"] / chip.hbm_bytes_per_second)
              for s in schedules
              for k in ("forward", "backward"))
+
+
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_DECLARED = {
+    field: re.compile(rf'"cost_estimate":{{[^}}]*"{field}":"(\d+)"') for field in ("flops", "bytes_accessed")
+}
+
+
+def per_operation(hlo: str, scheduled: set[str], peak: float, chip) -> dict:
+  """The step's time as its operations run on the chip's one core, one after another, read from the
+  compiled HLO: XLA's own operations at the cycles the TPU compiler's cost model gives each (their
+  backend config's estimated_cycles), and the Pallas kernels that no schedule times (those named
+  in none of `scheduled`; e.g. the cross-entropy's) at the longer of their declared FLOPs at the chip's
+  peak and declared bytes at its bandwidth, a floor. Kernels that declare nothing are listed."""
+  xla_cycles, declared, unpriced = 0, 0.0, []
+  for line in hlo.splitlines():
+    if (cycles := _CYCLES.search(line)):
+      xla_cycles += int(cycles.group(1))
+    elif 'custom_call_target="tpu_custom_call"' in line:
+      name = line.split("=", 1)[0].strip().lstrip("%")
+      if any(name.startswith(kernel) for kernel in scheduled):
+        continue
+      cost = {field: pattern.search(line) for field, pattern in _DECLARED.items()}
+      if not all(cost.values()):
+        unpriced.append(name)
+        continue
+      declared += max(
+          int(cost["flops"].group(1)) / peak,
+          int(cost["bytes_accessed"].group(1)) / chip.hbm_bytes_per_second)
+  return dict(xla_op_seconds=xla_cycles / chip.clock_hz, declared_kernel_seconds=declared,
+              unpriced_kernels=sorted(unpriced))
 
 
 def report(config: ml_collections.ConfigDict, topology: str) -> dict:
@@ -158,6 +201,21 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
       estimated_step_seconds=max(compute, memory_time) + out["kernel_seconds"],
       bound=bound + " + attention kernels" * bool(schedules) + " (attention kernels untimed)" * bool(untimed))
   out["estimated_hours"] = out["estimated_step_seconds"] * config.train.steps / 3600
+  # The roofline lets operations bound by bytes hide those bound by FLOPs; on one core they run in turn.
+  hlo = compiled.as_text()
+  ce, out["cross_entropy_untimed"] = [], ""
+  if cross_entropy.FORWARD in hlo:
+    try:
+      ce = [cross_entropy_schedule(exp, topology)]
+    except RuntimeError as e:  # then priced by what they declare, below
+      out["cross_entropy_untimed"] = str(e).strip().splitlines()[-1]
+  out["cross_entropy_schedule"] = ce[0] if ce else None
+  out["cross_entropy_seconds"] = kernel_seconds(ce, chip)
+  scheduled = {s[k]["kernel"] for s in schedules + ce for k in ("forward", "backward")}
+  out.update(per_operation(hlo, scheduled, peak, chip))
+  out["serial_step_seconds"] = (out["xla_op_seconds"] + out["kernel_seconds"] + out["cross_entropy_seconds"] +
+                                out["declared_kernel_seconds"])
+  out["serial_hours"] = out["serial_step_seconds"] * config.train.steps / 3600
   return out
 
 
@@ -215,10 +273,20 @@ def format_report(r: dict) -> str:
       + f"; bound: {r['bound']}",
       f"  run time    {r['estimated_hours']:.1f} h for {r['steps']:,} steps ({r['tokens'] / 1e9:.1f}B tokens)"
   ]
+  lines.append(
+      f"  per operation {r['serial_step_seconds'] * 1e3:.1f} ms, {r['serial_hours']:.1f} h: the operations one "
+      f"after another, XLA's {r['xla_op_seconds'] * 1e3:.1f} ms by the compiler's estimate of each, the "
+      f"attention's kernels as above, the cross-entropy's {r['cross_entropy_seconds'] * 1e3:.1f} ms as the "
+      f"compiler scheduled them, other Pallas kernels {r['declared_kernel_seconds'] * 1e3:.1f} ms by their "
+      "declared FLOPs and bytes (a floor); collectives left out" +
+      (f"; no time for {', '.join(r['unpriced_kernels'])}" if r["unpriced_kernels"] else "") +
+      (f"; the cross-entropy's kernels by what they declare: {r['cross_entropy_untimed']}"
+       if r["cross_entropy_untimed"] else ""))
   if r["kernels_untimed"]:
     lines.append(f"  the attention's Pallas kernels are not in the step time: {r['kernels_untimed']}")
   if r["microbatches"] > 1:  # XLA's cost analysis counts a loop's body once, whatever its trip count.
-    lines.append(f"  the compiler's FLOPs and bytes cover 1 of the {r['microbatches']} microbatches")
+    lines.append(f"  the compiler's FLOPs, bytes and per-operation times cover 1 of the {r['microbatches']} "
+                 "microbatches")
   if "xla_disable_hlo_passes" in r["compiler_options"]:
     lines.append(f"  compiled without {r['compiler_options']['xla_disable_hlo_passes']}: this libtpu "
                  "miscompiles the microbatch loop's gradient sum with it (docs/faults.md); gradients are "

@@ -41,15 +41,28 @@ def schedule(*, impl: str, knobs: dict, rows: int, seq_len: int, heads: int, hea
   packed documents' segment ids if `segments` (the kernels then mask by them too)."""
   if impl not in TIMED:
     raise ValueError(f"no schedule for attention implementation {impl!r}; timed: {', '.join(TIMED)}")
-  spec = dict(impl=impl, knobs=knobs, rows=rows, seq_len=seq_len, heads=heads, head_dim=head_dim, dtype=dtype,
-              causal=causal, segments=segments, topology=topology)
+  return _in_child(
+      dict(impl=impl, knobs=knobs, rows=rows, seq_len=seq_len, heads=heads, head_dim=head_dim, dtype=dtype,
+           causal=causal, segments=segments, topology=topology))
+
+
+def cross_entropy_schedule(*, tokens: int, width: int, vocab: int, dtype: str, topology: str) -> dict:
+  """The readout cross-entropy's kernels (lm/cross_entropy.py) for one chip's `tokens` of a
+  [width, vocab] readout, as `schedule` gives the attention's: per kernel ("forward", "backward"), its
+  name, bundles per grid step, grid steps, cycles and the HBM bytes it declares."""
+  return _in_child(
+      dict(impl="cross_entropy", tokens=tokens, width=width, vocab=vocab, dtype=dtype, topology=topology))
+
+
+def _in_child(spec: dict) -> dict:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run([sys.executable, "-m", "launch.kernel_schedule",
                            json.dumps(spec)], cwd=root, capture_output=True, text=True, env={
                                **os.environ, "JAX_PLATFORMS": "cpu"
                            })
   if result.returncode:
-    raise RuntimeError(f"compiling the {impl} kernels for {topology} failed:\n{result.stderr[-3000:]}")
+    raise RuntimeError(f"compiling the {spec['impl']} kernels for {spec['topology']} failed:\n"
+                       f"{result.stderr[-3000:]}")
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -130,6 +143,8 @@ def _compile_and_read(spec: dict) -> dict:
 
     chip = topology.topology_devices(spec["topology"])[0]
     on_chip = SingleDeviceSharding(chip)
+    if spec["impl"] == "cross_entropy":
+      return {"device_kind": chip.device_kind, **_cross_entropy(spec, on_chip, dump)}
     x = jax.ShapeDtypeStruct((spec["rows"], spec["seq_len"], spec["heads"], spec["head_dim"]),
                              jnp.dtype(spec["dtype"]), sharding=on_chip)
     seg = jax.ShapeDtypeStruct((spec["rows"], spec["seq_len"]), jnp.int32, sharding=on_chip)
@@ -158,6 +173,27 @@ def _compile_and_read(spec: dict) -> dict:
                        hbm_bytes=cost.bytes_accessed if cost else 0, units=parts[0]["units"],
                        operations=operations(dump, parts[0]["kernel"]))
     return out
+
+
+def _cross_entropy(spec: dict, on_chip, dump: str) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  from lm import cross_entropy
+
+  N, D, V = spec["tokens"], spec["width"], spec["vocab"]
+  x = jax.ShapeDtypeStruct((1, N, D), jnp.dtype(spec["dtype"]), sharding=on_chip)
+  w = jax.ShapeDtypeStruct((D, V), x.dtype, sharding=on_chip)
+  targets = jax.ShapeDtypeStruct((1, N), jnp.int32, sharding=on_chip)
+  loss = lambda x, w, targets: cross_entropy.readout_nll(x, w, 1.0, targets, impl="pallas").sum()
+  jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w, targets).compile()
+  declared = cross_entropy.kernel_costs(N, D, V, x.dtype.itemsize)
+  out = {}
+  for kind, (name, steps) in zip(("forward", "backward"), cross_entropy.grid_steps(N, D, V).items()):
+    per_step = bundles(dump, name)
+    out[kind] = dict(kernel=name, bundles_per_step=per_step, visible_steps=steps, cycles=per_step * steps,
+                     hbm_bytes=declared[name].bytes_accessed, units=units(dump, name))
+  return out
 
 
 if __name__ == "__main__":

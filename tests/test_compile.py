@@ -25,7 +25,7 @@ from small import small_config  # noqa: E402
 from configs import c4_50m, sraven, tiny  # noqa: E402
 from data_pipelines import pipeline  # noqa: E402
 from launch import compile as compile_lib, kernel_schedule, topology  # noqa: E402
-from lm import attention, attention_hypernetwork, attention_linear, attention_softmax  # noqa: E402
+from lm import attention, attention_hypernetwork, attention_linear, attention_softmax, cross_entropy  # noqa: E402
 from lm.experiment import Experiment, microbatch_compiler_options  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +104,13 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
       max(step, (r["compiler_bytes"] - r["kernel_hbm_bytes"]) / 819e9) + kernels)
   assert r["estimated_hours"] == pytest.approx(r["estimated_step_seconds"] * r["steps"] / 3600)
   assert r["tokens"] == r["steps"] * 16 * 512
+  # One operation after another: XLA's by the compiler's estimate of each, which a parse that missed
+  # them would leave near 0 (the projections and MLP alone are 34 GFLOP per chip: 0.17 ms at peak), the
+  # attention's kernels as scheduled, and no Pallas kernel left without a time.
+  assert r["xla_op_seconds"] > 0.17e-3 and r["unpriced_kernels"] == []
+  assert r["serial_step_seconds"] == pytest.approx(r["xla_op_seconds"] + r["kernel_seconds"] +
+                                                   r["declared_kernel_seconds"])
+  assert r["serial_hours"] == pytest.approx(r["serial_step_seconds"] * r["steps"] / 3600)
 
   text = compile_lib.format_report(r).splitlines()
   assert text[0].startswith(f"{preset} attention, {exp.num_params:,} parameters, 16 rows x 512 "
@@ -112,6 +119,7 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
   assert text[12].startswith("estimates, not measurements")
   assert "; bound: " in text[13] and text[14].endswith("B tokens)")
   assert "ms of the attention's Pallas kernels (each the longer of the compiler's schedule" in text[13]
+  assert text[15].startswith(f"  per operation {r['serial_step_seconds'] * 1e3:.1f} ms")
   # The compiler's own estimate only when it is one: it is negative when some operation is untimed.
   for seconds, shown in ((-17.004, "unusable (-17.004 s: negative when"), (0.0123, "12.3 ms")):
     assert shown in compile_lib.format_report({**r, "optimal_seconds": seconds}).splitlines()[11]
@@ -126,7 +134,8 @@ def test_kernels_the_compiler_cannot_schedule_leave_the_rest_of_the_report(case,
   the step compiles in a third of the time.)"""
   config = c4_50m.get_config()
   config.model.update(L=1, V=512, D=128, H=2, F=256, attention="softmax")
-  config.train.batch_size = 16
+  # 2,048 tokens per chip: the cross-entropy's kernels run, and are timed whatever the attention's are.
+  config.train.batch_size = 64
   reason = "no schedule for the pallas kernels"
   if case == "dumps unreadable":
     reason = "FileNotFoundError: libtpu wrote no dump"
@@ -144,6 +153,39 @@ def test_kernels_the_compiler_cannot_schedule_leave_the_rest_of_the_report(case,
   assert r["estimated_step_seconds"] == pytest.approx(r["compiler_bytes"] / 819e9)
   assert (f"  the attention's Pallas kernels are not in the step time: {reason}"
           in compile_lib.format_report(r).splitlines())
+  ce = r["cross_entropy_schedule"]
+  assert [ce[k]["kernel"] for k in ("forward", "backward")] == [cross_entropy.FORWARD, cross_entropy.BACKWARD]
+  assert r["cross_entropy_seconds"] == pytest.approx(
+      compile_lib.kernel_seconds([ce], topology.CHIPS["TPU v5 lite"]))
+  assert r["cross_entropy_seconds"] > 0 and r["cross_entropy_untimed"] == ""
+  if case == "dumps unreadable":  # splash's kernels declare no cost either: the per-operation sum says so
+    assert r["unpriced_kernels"] and all(n.startswith("splash_mha_") for n in r["unpriced_kernels"])
+    assert f"no time for {r['unpriced_kernels'][0]}" in compile_lib.format_report(r)
+
+
+def test_per_operation_time_reads_the_compiled_hlo():
+  """XLA's operations at the compiler's estimated cycles; a scheduled kernel left to its schedule; another
+  at the longer of its declared FLOPs at peak and bytes at bandwidth; a kernel declaring nothing listed."""
+  hlo = "\n".join([
+      '  %fusion.1 = bf16[8,128]{1,0} fusion(%p), kind=kOutput, backend_config={"estimated_cycles":"3000"}',
+      '  %convert.2 = f32[8]{0} convert(%a), backend_config={"flag_configs":[],"estimated_cycles":"1500"}',
+      '  %hypernetwork_fwd.6 = bf16[8] custom-call(%q), custom_call_target="tpu_custom_call", '
+      'backend_config={"custom_call_config":{"cost_estimate":{"flops":"197000000000","bytes_accessed":"9"}}}',
+      '  %cross_entropy_fwd.1 = f32[8] custom-call(%x), custom_call_target="tpu_custom_call", backend_config='
+      '{"custom_call_config":{"cost_estimate":{"flops":"394000000","transcendentals":"7","bytes_accessed":'
+      '"819000"}}}',
+      '  %cross_entropy_bwd.1 = f32[8] custom-call(%x), custom_call_target="tpu_custom_call", backend_'
+      'config={"custom_call_config":{"cost_estimate":{"flops":"197","transcendentals":"0","bytes_accessed":'
+      '"8190000"}}}',
+      '  %splash_mha_fwd.3 = f32[8] custom-call(%x), custom_call_target="tpu_custom_call", backend_config={}',
+      '  %all-reduce.1 = f32[8]{0} all-reduce(%g), replica_groups={}',
+  ])
+  chip = topology.CHIPS["TPU v5 lite"]
+  parts = compile_lib.per_operation(hlo, {"hypernetwork_fwd"}, 197e12, chip)
+  # 4,500 cycles at 1.5 GHz; 2 us of FLOPs, then 10 us of bytes
+  assert parts["xla_op_seconds"] == pytest.approx(3e-6)
+  assert parts["declared_kernel_seconds"] == pytest.approx(2e-6 + 10e-6)
+  assert parts["unpriced_kernels"] == ["splash_mha_fwd.3"]
 
 
 def test_text_report_and_does_not_fit():
@@ -219,6 +261,21 @@ def test_kernel_schedule_of_splash_kernels():
   with pytest.raises(ValueError, match="no schedule for attention implementation 'pallas'"):
     kernel_schedule.schedule(impl="pallas", knobs=attention.preset("softmax"), rows=1, seq_len=512, heads=8,
                              head_dim=64, dtype="bfloat16", causal=True, segments=True, topology="v5e:2x2")
+
+
+def test_kernel_schedule_of_cross_entropy_kernels():
+  """The readout cross-entropy's kernels, timed the same way: 4,096 tokens of a [128, 2,560] readout,
+  the forward kernel in 2 x 4 blocks of 2,048 tokens by 640 words, the backward in 16 x 1 of 256 by
+  2,560; each the bundles of its program times its grid steps, and the traffic it declares."""
+  r = kernel_schedule.cross_entropy_schedule(tokens=4096, width=128, vocab=2560, dtype="bfloat16",
+                                             topology="v5e:2x2")
+  declared = cross_entropy.kernel_costs(4096, 128, 2560, 2)
+  for kernel, name, steps in (("forward", cross_entropy.FORWARD, 8), ("backward", cross_entropy.BACKWARD,
+                                                                      16)):
+    k = r[kernel]
+    assert (k["kernel"], k["visible_steps"], k["hbm_bytes"]) == (name, steps, declared[name].bytes_accessed)
+    assert k["bundles_per_step"] > 500 and k["cycles"] == k["bundles_per_step"] * steps
+    assert k["units"]["MXU"]["used"] > 0
 
 
 def test_kernel_schedules_take_each_chips_share_of_rows_and_heads(monkeypatch):
