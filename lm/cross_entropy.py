@@ -29,10 +29,11 @@ LANES = 128
 # forward kernel reads all of w once per token block, the backward kernel all of x once per vocabulary
 # block: large blocks on those axes, within VMEM (a [2048, 640] float32 tile is 5.2 MB).
 BLOCK_TOKENS, BLOCK_TOKENS_BWD = 2048, 256
-# Vocabulary blocks of at most this many elements of w ([512, 4096]; 3,200 words of c4_50m's 32,000), the
-# largest that fit VMEM at every width: the forward kernel takes 2.24 ms a step on a v5e chip of c4_50m
-# in blocks of 640 words, 1.75 in 1,280, 1.43 in 3,200 (its products at 95% of the MXU's peak).
-BLOCK_VOCAB_ELEMENTS = 512 * 4096
+# Vocabulary blocks of at most MAX_BLOCK_VOCAB words (a [2048, 4096] float32 tile of logits) and
+# BLOCK_VOCAB_ELEMENTS elements of w (so that wider models fit VMEM too; 3,200 words of c4_50m's 32,000
+# at width 512): the forward kernel takes 2.24 ms a step on a v5e chip of c4_50m in blocks of 640
+# words, 1.75 in 1,280, 1.43 in 3,200 (its products at 95% of the MXU's peak).
+MAX_BLOCK_VOCAB, BLOCK_VOCAB_ELEMENTS = 4096, 512 * 4096
 # The backward kernel holds dx in float32 for a chunk of tokens while it walks the vocabulary: at most
 # this much VMEM (one chunk for a v5e chip's 8,192 tokens of width 512); more chunks each give a partial
 # dw, which XLA sums.
@@ -293,7 +294,7 @@ def _backward_kernel(x_ref, w_ref, rows_ref, dx_ref, dw_ref, dx_acc, dw_acc, *, 
 
 def _blocks(D: int, V: int) -> dict[str, tuple[int, int]]:
   """Per kernel, (token block, vocabulary block); the backward kernel's dx chunk is dx_chunk's."""
-  bv = block_vocab(V, max(LANES, BLOCK_VOCAB_ELEMENTS // D))
+  bv = block_vocab(V, max(LANES, min(MAX_BLOCK_VOCAB, BLOCK_VOCAB_ELEMENTS // D)))
   return {FORWARD: (BLOCK_TOKENS, bv), BACKWARD: (BLOCK_TOKENS_BWD, bv)}
 
 

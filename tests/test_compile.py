@@ -264,14 +264,16 @@ def test_kernel_schedule_of_splash_kernels():
 
 
 def test_kernel_schedule_of_cross_entropy_kernels():
-  """The readout cross-entropy's kernels, timed the same way: 4,096 tokens of a [128, 2,560] readout,
-  the forward kernel in 2 x 4 blocks of 2,048 tokens by 640 words, the backward in 16 x 1 of 256 by
-  2,560; each the bundles of its program times its grid steps, and the traffic it declares."""
-  r = kernel_schedule.cross_entropy_schedule(tokens=4096, width=128, vocab=2560, dtype="bfloat16",
+  """The readout cross-entropy's kernels, timed the same way: 4,096 tokens of a [128, 5,120] readout in
+  vocabulary blocks of 2,560 words, the forward kernel in 2 x 2 blocks (2,048 tokens each), the backward
+  in 16 x 2 (256 tokens); each the bundles of its program times its grid steps, and the traffic it
+  declares."""
+  r = kernel_schedule.cross_entropy_schedule(tokens=4096, width=128, vocab=5120, dtype="bfloat16",
                                              topology="v5e:2x2")
-  declared = cross_entropy.kernel_costs(4096, 128, 2560, 2)
-  for kernel, name, steps in (("forward", cross_entropy.FORWARD, 8), ("backward", cross_entropy.BACKWARD,
-                                                                      16)):
+  declared = cross_entropy.kernel_costs(4096, 128, 5120, 2)
+  assert cross_entropy.grid_steps(4096, 128, 5120) == {cross_entropy.FORWARD: 4, cross_entropy.BACKWARD: 32}
+  for kernel, name, steps in (("forward", cross_entropy.FORWARD, 4), ("backward", cross_entropy.BACKWARD,
+                                                                      32)):
     k = r[kernel]
     assert (k["kernel"], k["visible_steps"], k["hbm_bytes"]) == (name, steps, declared[name].bytes_accessed)
     assert k["bundles_per_step"] > 500 and k["cycles"] == k["bundles_per_step"] * steps
