@@ -34,13 +34,17 @@ def argument_bytes(exp: Experiment) -> int:
   return sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape)) for x in leaves)
 
 
+def chip_rows(exp: Experiment) -> int:
+  """Rows of a step on one chip: the batch split over the mesh's batch axes."""
+  return exp.config.train.batch_size // math.prod(exp.mesh.shape[a] for a in sharding.BATCH)
+
+
 def kernel_schedules(exp: Experiment, impls: list[str], topology: str) -> list[dict]:
   """The attention's Pallas kernels (kernel_schedule.TIMED) as the compiler scheduled them for one chip,
   once per kind of layer that runs them (`impls`: each layer's implementation on TPU): the compiler's
   cost analysis gives them no time."""
-  cfg, T = exp.model_cfg, exp.task.seq_len
-  rows = exp.config.train.batch_size // math.prod(exp.mesh.shape[a] for a in sharding.BATCH)
-  # Rows split over the batch axes; heads over the tensor axis for the kernels that split them.
+  cfg, T, rows = exp.model_cfg, exp.task.seq_len, chip_rows(exp)
+  # Heads split over the tensor axis for the kernels that split them.
   tensor = exp.mesh.shape["tensor"] if attention_core.tensor_splits(cfg.H, exp.mesh) else 1
   heads = lambda impl: cfg.H // tensor if impl in kernel_schedule.HEADS_SPLIT else cfg.H
   untimed = sorted(
@@ -66,11 +70,10 @@ def cross_entropy_schedule(exp: Experiment, topology: str) -> dict:
   """The readout cross-entropy's kernels as the compiler scheduled them for one chip's tokens of one
   microbatch, counted for every microbatch (as `layers`, which kernel_seconds reads)."""
   cfg, T, microbatches = exp.model_cfg, exp.task.seq_len, exp.config.train.microbatches
-  rows = exp.config.train.batch_size // math.prod(exp.mesh.shape[a] for a in sharding.BATCH)
   return dict(
       layers=microbatches,
-      **kernel_schedule.cross_entropy_schedule(tokens=rows // microbatches * T, width=cfg.D, vocab=cfg.V,
-                                               dtype=cfg.dtype, topology=topology))
+      **kernel_schedule.cross_entropy_schedule(tokens=chip_rows(exp) // microbatches * T, width=cfg.D,
+                                               vocab=cfg.V, dtype=cfg.dtype, topology=topology))
 
 
 def kernel_total(schedules: list[dict], field: str) -> float:
