@@ -23,6 +23,7 @@ import sys
 import tempfile
 
 _NUMBERS = re.compile(r"^\s*\d+(\s+\d+)+\s*$")
+_INNER_LOOP = re.compile(r"^\s*0x[0-9a-f]+\s+[A-Z]*:\s*>>\s", re.M)
 # lm/attention.py's implementations that run Pallas kernels on TPU, and those whose kernels this times
 # (not flash attention's, which softmax runs only with a position bias).
 PALLAS = ("pallas_hypernetwork_keep_z", "pallas_hypernetwork", "splash", "pallas_linear", "pallas")
@@ -73,9 +74,15 @@ def _last(pattern: str) -> str:
   return files[-1]
 
 
-def bundles(dump: str, kernel: str) -> int:
+def bundles(dump: str, kernel: str, loop_trips: int = 1) -> int:
+  """The bundles a grid step of the kernel runs. The listing holds the body of a loop inside the
+  step (at loop depth 2, marked `>>`) once; it counts loop_trips times."""
   text = open(_last(f"{dump}/*{kernel}*schedule-analysis_final_bundles.txt")).read()
-  return int(re.search(r"total scheduled bundles:\s+(\d+)", text).group(1))
+  total = int(re.search(r"total scheduled bundles:\s+(\d+)", text).group(1))
+  if loop_trips == 1:
+    return total
+  body = len(_INNER_LOOP.findall(open(_last(f"{dump}/*{kernel}*-final_bundles.txt")).read()))
+  return total + (loop_trips - 1) * body
 
 
 def units(dump: str, kernel: str) -> dict[str, dict[str, float]]:
@@ -99,9 +106,11 @@ def operations(dump: str, kernel: str) -> dict[str, int]:
 def _kernels(spec: dict, itemsize: int):
   """For the attention implementation spec["impl"]: its kernels' names (forward, backward), the FLOPs
   and HBM bytes each declares to XLA's cost analysis (none for the library's splash kernels), and its
-  programs: (label, attend function, the grid steps that run it, its kernels' names). HYLA's causal
-  kernels run one program on tiles below the diagonal and another on the diagonal: each is built and
-  counted alone, for the steps that run it, as a kernel holding both would count both for every step."""
+  programs: (label, attend function, the grid steps that run it, its kernels' names, the trips of a
+  loop inside each kernel's grid step). HYLA's causal kernels run one program on tiles below the
+  diagonal and another on the diagonal: each is built and counted alone, for the steps that run it, as
+  a kernel holding both would count both for every step. HYLA's backward kernel loops over heads
+  (lm.attention_hypernetwork.heads_per_trip)."""
   from lm import (
       attention,
       attention_core,
@@ -114,20 +123,21 @@ def _kernels(spec: dict, itemsize: int):
   if spec["impl"] == "splash":
     names = (softmax.SPLASH_FORWARD, softmax.SPLASH_BACKWARD)
     attend = functools.partial(softmax.attend_splash, causal=causal)
-    return names, {}, [("all", attend, rows * H * softmax.splash_visible_blocks(T, causal), names)]
+    return names, {}, [("all", attend, rows * H * softmax.splash_visible_blocks(T, causal), names, (1, 1))]
   if spec["impl"] == "pallas_linear":
     names = (linear.FORWARD, linear.BACKWARD)
     attend = functools.partial(linear.attend_pallas_linear, causal=causal)
     declared = linear.kernel_costs(causal, (rows, H, T, spec["head_dim"]), itemsize)
-    return names, declared, [("all", attend, rows * H * linear.visible_tiles(T, causal), names)]
+    return names, declared, [("all", attend, rows * H * linear.visible_tiles(T, causal), names, (1, 1))]
   knobs = attention_core.Knobs(**spec["knobs"])
   keep_z = attention.keeps_z(spec["impl"])
   attend = functools.partial(hyper.attend_pallas_hypernetwork, knobs=knobs, causal=causal, keep_z=keep_z)
   declared = hyper.kernel_costs(knobs, causal, (rows, H, T, spec["head_dim"]), itemsize, keep_z)
   names = (hyper.FORWARD, hyper.BACKWARD)
+  trips = (1, H // hyper.heads_per_trip(H))
   return names, declared, [(only or "all", functools.partial(attend, only=only), rows * steps,
                             tuple(hyper.program_name(n, only)
-                                  for n in names))
+                                  for n in names), trips)
                            for only, steps in hyper.tile_programs(T, causal)]
 
 
@@ -153,7 +163,7 @@ def _compile_and_read(spec: dict) -> dict:
     def loss(q, k, v, segment_ids):  # uses the outputs, so the forward kernels stay
       outs = [
           attend(q, k, v, segment_ids=segment_ids if spec["segments"] else None)
-          for _, attend, _, _ in programs
+          for _, attend, _, _, _ in programs
       ]
       return sum(jnp.square(out.astype(jnp.float32)).sum() for out in outs)
 
@@ -161,8 +171,8 @@ def _compile_and_read(spec: dict) -> dict:
     out = {"device_kind": chip.device_kind}
     for i, (name, kernel) in enumerate(zip(("forward", "backward"), names)):
       parts = [
-          dict(tiles=label, kernel=kernels[i], bundles_per_step=bundles(dump, kernels[i]), steps=steps,
-               units=units(dump, kernels[i])) for label, _, steps, kernels in programs
+          dict(tiles=label, kernel=kernels[i], bundles_per_step=bundles(dump, kernels[i], trips[i]),
+               steps=steps, units=units(dump, kernels[i])) for label, _, steps, kernels, trips in programs
       ]
       cycles, steps = sum(p["bundles_per_step"] * p["steps"] for p in parts), sum(p["steps"] for p in parts)
       cost = declared.get(kernel)

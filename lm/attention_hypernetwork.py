@@ -286,6 +286,57 @@ def _da(da_out_qhk, dz_qdk, vt_hdk, dtype) -> jax.Array:
   return jnp.swapaxes(da_out_qhk + da_z_qhk, 0, 1)
 
 
+def _loops_over_heads(dtype) -> bool:
+  """Whether the backward kernel forms whole tiles' dv and da through z in `_da_dv_by_heads`: in
+  bfloat16, where the MXU's operands are rounded to bfloat16 anyway; in float32 the sums over d stay
+  on the vector unit (`_da`)."""
+  return jnp.dtype(dtype).itemsize == 2
+
+
+def heads_per_trip(H: int) -> int:
+  """Heads per trip of `_da_dv_by_heads`'s loop (by the schedule at 8 heads, bundles a whole backward
+  tile: 1 head a trip 12,867, 2: 12,677, 4: 12,581, all 8 unrolled 16,997)."""
+  return next(n for n in (4, 2, 1) if H % n == 0)
+
+
+def _da_dv_by_heads(da_out_qhk, dz_qdk, vt_ref, a_ref, dvt_acc_ref, dz_ref, daz_ref) -> jax.Array:
+  """A whole tile's weights' cotangent [H, Q, BK] (da_out_qhk plus Σ_d dz · v_h) in bfloat16, and dv's
+  share, Σ_q a_h dz, added to dvt_acc_ref; the weights from a_ref (`_row`). Both
+  multiply dz by a head's tensor and need all queries, so they run in a loop over heads, a few a trip,
+  with dz in a scratch: a head's dv (8 vregs at d = 64) and vᵀ_h stay in registers across the queries.
+  Written over the whole tile instead, the compiler formed every head's products first, spilled them,
+  and then fed the MXU (backward 13,667 -> 12,581 bundles a whole tile, benchmarks/kernel_schedule.py,
+  the loop's body counted once a trip). The sums over d go to the MXU 8 queries a product, a row of
+  ones per query: one [8, BK] result per head and 8 queries, in da's layout. Their operands stay
+  float32, which on TPU the MXU rounds to bfloat16 as it rounded the products before (pushing the
+  rounded products took 4 vector packs per query and head; float32 pushes are twice as many, in MXU
+  slots the loop leaves free)."""
+  H, d = vt_ref.shape[1:3]
+  Q = dz_qdk.shape[0]
+  dz_ref[...] = dz_qdk
+  group = 8  # queries a product: a float32 vreg's sublanes
+  rows_gd = jax.lax.broadcasted_iota(jnp.int32, (group, d), 0)
+  ones = [(rows_gd == r).astype(jnp.float32) for r in range(group)]
+  per = heads_per_trip(H)
+
+  def heads(i, carry):
+    for h in [i * per + u for u in range(per)]:
+      vt_dk = vt_ref[0, h].astype(jnp.float32)
+      dv_terms = []
+      for q0 in range(0, Q, group):
+        sums = []
+        for q in range(q0, q0 + group):  # dz's rows loaded once for both
+          dz_dk = dz_ref[q]
+          dv_terms.append(_row(a_ref, h, q) * dz_dk)
+          sums.append(jnp.dot(ones[q - q0], dz_dk * vt_dk, preferred_element_type=jnp.float32))
+        daz_ref[h, q0:q0 + group] = _sum_terms(sums)
+      dvt_acc_ref[h] += _sum_terms(dv_terms)
+    return carry
+
+  jax.lax.fori_loop(0, H // per, heads, 0)
+  return jnp.swapaxes(da_out_qhk, 0, 1) + daz_ref[...]
+
+
 def _branches(static: _Static, i, j):
   """When a grid step at query block i and key block j computes a whole tile, and when a packed
   diagonal one (None: never, in this build of the kernel)."""
@@ -317,12 +368,13 @@ def _row_grads(g_qhd, a_qhk, p_qdk, phi_pullback):
 
 
 def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref, a_ref,
-                ap_ref, diagonal: bool):
+                ap_ref, diagonal: bool, head_loop):
   """Keeps the tile's weights a in a_ref [H, BQ, BK] (packed rows' in ap_ref, at their lo queries) and
   returns the cotangent ds [1, H, BQ, BK] of the scaled scores (the caller applies 1/sqrt(d) for dq and
-  dk) and, per set of rows (`_row_sets`), the rows, the scratch holding their weights and dz [n, d,
-  BK]; given the output's cotangent g [H, BQ, d]; z (for relu φ(z)) read from z_ref when the forward
-  pass kept it, else recomputed."""
+  dk) and, per set of rows (`_row_sets`) whose dv is left to the caller, the rows, the scratch holding
+  their weights and dz [n, d, BK]; given the output's cotangent g [H, BQ, d]; z (for relu φ(z)) read
+  from z_ref when the forward pass kept it, else recomputed. head_loop: (dvᵀ's accumulator, scratch for
+  dz and for the part of da through z) for `_da_dv_by_heads`, which takes whole tiles in bfloat16."""
   segq_q1, segk_1k = (None, None) if segq_ref is None else (segq_ref[0], segk_ref[0])
   mask_11qk, normalize_pullback, a_1hqk, vt_hdk = _tile(static, q0, k0, q_ref[0], k_ref, vt_ref, segq_q1,
                                                         segk_1k, a_ref)
@@ -338,8 +390,11 @@ def _tile_grads(static: _Static, q0, k0, q_ref, k_ref, vt_ref, g_ref, segq_ref, 
     if rows.hi is not None:  # each lane's query: the lo queries' heads below split, the hi queries' above
       lo, hi = (x for _, x in rows.outputs(da_out_rhk))
       da_out_rhk = jnp.where(rows.below(lo.shape), lo, hi)
-    das += rows.unpack(_da(da_out_rhk, dz_rdk, vt_r, q_ref.dtype))
-    dzs.append((rows, weights_ref, dz_rdk))
+    if not diagonal and _loops_over_heads(q_ref.dtype):
+      das.append((rows.lo, _da_dv_by_heads(da_out_rhk, dz_rdk, vt_ref, weights_ref, *head_loop)))
+    else:
+      das += rows.unpack(_da(da_out_rhk, dz_rdk, vt_r, q_ref.dtype))
+      dzs.append((rows, weights_ref, dz_rdk))
   ds_1hqk = normalize_pullback(_gathered(das, 1)[None])[0]
   if mask_11qk is not None:
     ds_1hqk = jnp.where(mask_11qk, ds_1hqk, 0.0)
@@ -388,7 +443,8 @@ def _backward_kernel(*refs, static, segments):
   q_ref, k_ref, vt_ref, g_ref = refs[:4]
   z_ref = refs[4] if static.keep_z else None
   segq_ref, segk_ref = refs[4 + static.keep_z:][:2] if segments else (None, None)
-  dq_ref, dk_ref, dvt_ref, dq_acc_ref, dk_acc_ref, dvt_acc_ref, a_ref, ap_ref = refs[-8:]
+  n = 10 if _loops_over_heads(q_ref.dtype) else 8
+  dq_ref, dk_ref, dvt_ref, dq_acc_ref, dk_acc_ref, dvt_acc_ref, a_ref, ap_ref, *head_scratch = refs[-n:]
   j, i = pl.program_id(1), pl.program_id(2)
   _, H, bq, d = q_ref.shape
   bk = k_ref.shape[2]
@@ -404,13 +460,15 @@ def _backward_kernel(*refs, static, segments):
 
   def accumulate(diagonal: bool):
     ds_1hqk, dzs = _tile_grads(static, i * bq, j * bk, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref,
-                               a_ref, ap_ref, diagonal)
+                               a_ref, ap_ref, diagonal, (dvt_acc_ref, *head_scratch))
     contract_q = (((0,), (0,)), ((), ()))
     for h in range(H):
       ds_qk = ds_1hqk[0, h].astype(q_ref.dtype)
       dq_acc_ref[i, h] += jnp.dot(ds_qk, k_ref[0, h], preferred_element_type=jnp.float32) * d**-0.5
       dk_acc_ref[h] += jax.lax.dot_general(ds_qk, q_ref[0, h], contract_q,
                                            preferred_element_type=jnp.float32) * d**-0.5
+      if not dzs:
+        continue
       dvt_acc_ref[h] += _sum_terms([
           rows.fold(_sum_terms([_row(weights_ref, h, rows.lo + r) * dz_dk
                                 for r, dz_dk in enumerate(dz_rdk)]))
@@ -463,6 +521,13 @@ def _specs(static: _Static, shape, segments: bool, *, keys_outer: bool, with_g: 
 def _weights_scratch(H: int):
   """Both kernels' scratch for a tile's weights a and a diagonal tile's packed rows of them (`_row`)."""
   return [pltpu.VMEM((H, BLOCK_Q, BLOCK_K), jnp.float32)] * 2
+
+
+def _head_loop_scratch(H: int, d: int, dtype):
+  """The backward kernel's scratch for `_da_dv_by_heads`: a tile's dz and the part of da through z."""
+  if not _loops_over_heads(dtype):
+    return []
+  return [pltpu.VMEM((BLOCK_Q, d, BLOCK_K), jnp.float32), pltpu.VMEM((H, BLOCK_Q, BLOCK_K), jnp.float32)]
 
 
 def visible_tiles(T: int, causal: bool) -> int:
@@ -587,6 +652,7 @@ def _core_bwd(static, residuals, g_bhtd):
           pltpu.VMEM((H, BLOCK_K, d), jnp.float32),
           pltpu.VMEM((H, d, BLOCK_K), jnp.float32),
           *_weights_scratch(H),
+          *_head_loop_scratch(H, d, q_bhtd.dtype),
       ],
       cost_estimate=_costs(static, q_bhtd)[BACKWARD],
       name=program_name(BACKWARD, static.only),

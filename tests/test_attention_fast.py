@@ -281,6 +281,23 @@ def test_pallas_hypernetwork_in_bfloat16(mxu_operands, monkeypatch):
   _assert_bfloat16_as_close_as_the_reference(kernel, reference, (q, k, v), cotangent)
 
 
+@pytest.mark.parametrize("keep_z", [True, False])
+def test_pallas_hypernetwork_whole_tiles_in_bfloat16(keep_z):
+  """In bfloat16 the backward kernel forms a whole tile's dv and the part of da through z in a loop over
+  heads, a few a trip (here 6 heads: 3 trips of 2); causally at 256 tokens the tile below the diagonal
+  takes that loop and the two on it the packed rows. Outputs and gradients as close to the float32
+  definition as the reference computed in bfloat16, with z kept from the forward pass or recomputed."""
+  q, k, v, cotangent = (
+      jax.random.normal(key, (1, 256, 6, 16)) for key in jax.random.split(jax.random.key(7), 4))
+  assert attention_hypernetwork.heads_per_trip(6) == 2
+  kw = dict(**attention.preset("hyla"), segment_ids=jnp.asarray([[0] * 90 + [1] * 166]))
+  reference = lambda q, k, v: attention.attend(q, k, v, **kw)
+  kernel = lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(
+      q, k, v, knobs=attention.Knobs(**attention.preset("hyla")), segment_ids=kw["segment_ids"], interpret=
+      True, keep_z=keep_z)
+  _assert_bfloat16_as_close_as_the_reference(kernel, reference, (q, k, v), cotangent)
+
+
 def _assert_bfloat16_as_close_as_the_reference(kernel, reference, qkv, cotangent):
   """kernel's outputs and gradients, from bfloat16 inputs, come back in bfloat16 and are as close to the
   float32 reference as the reference computed in bfloat16 (up to half as far again)."""

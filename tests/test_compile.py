@@ -244,6 +244,21 @@ def test_the_compiler_counts_what_the_kernels_declare(monkeypatch):
   assert cost()["bytes accessed"] - once["bytes accessed"] == sum(c.bytes_accessed for c in declared)
 
 
+def test_kernel_schedule_counts_a_loop_inside_a_grid_step_per_trip(tmp_path):
+  """A loop inside a kernel's grid step (HYLA's backward kernel loops over heads) appears once in the
+  compiler's listing, its bundles marked at loop depth 2; they count once per trip."""
+  (tmp_path / "1-k-71-schedule-analysis_final_bundles.txt"
+  ).write_text("Schedule analysis:\n\ttotal scheduled bundles:    7\n")
+  listing = [
+      "  0x0   :  { %1 = vsyncpa }", "  0x1 LB: > { %2 = sst }", "  0x2 LB: >> { %3 = vmul.f32 }",
+      "  0x3   : >> { %4 = vadd.f32 }", "  0x4   : >> { %5 = vst }", "  0x5 PF: > { %6 = sbr.rel }",
+      "  0x6   :  { %7 = vsyncpa }"
+  ]
+  (tmp_path / "1-k-72-final_bundles.txt").write_text("\n".join(listing) + "\n")
+  assert kernel_schedule.bundles(str(tmp_path), "k") == 7
+  assert kernel_schedule.bundles(str(tmp_path), "k", loop_trips=4) == 7 + 3 * 3
+
+
 def test_kernel_schedule_of_splash_kernels():
   """Softmax's splash kernels, timed the same way (here with packed documents' segment ids): at 1,024
   tokens in blocks of 512, each head and row computes 3 of the 4 block pairs causally (the fourth grid
