@@ -74,15 +74,17 @@ def _last(pattern: str) -> str:
   return files[-1]
 
 
-def bundles(dump: str, kernel: str, loop_trips: int = 1) -> int:
+def bundles(dump: str, kernel: str, loop_trips: int | None = None) -> int:
   """The bundles a grid step of the kernel runs. The listing holds the body of a loop inside the
-  step (at loop depth 2, marked `>>`) once; it counts loop_trips times."""
+  step (at loop depth 2, marked `>>`) once; it counts loop_trips times. A kernel that is not said to
+  loop (None) and does raises, rather than be counted short."""
   text = open(_last(f"{dump}/*{kernel}*schedule-analysis_final_bundles.txt")).read()
   total = int(re.search(r"total scheduled bundles:\s+(\d+)", text).group(1))
-  if loop_trips == 1:
-    return total
   body = len(_INNER_LOOP.findall(open(_last(f"{dump}/*{kernel}*-final_bundles.txt")).read()))
-  return total + (loop_trips - 1) * body
+  if body and loop_trips is None:
+    raise ValueError(f"{kernel}'s grid step holds a loop ({body} bundles at loop depth 2) whose trips "
+                     "the schedule is not told; name them in launch/kernel_schedule.py")
+  return total + ((loop_trips or 1) - 1) * body
 
 
 def units(dump: str, kernel: str) -> dict[str, dict[str, float]]:
@@ -120,21 +122,22 @@ def _kernels(spec: dict, itemsize: int):
   )
 
   rows, T, H, causal = spec["rows"], spec["seq_len"], spec["heads"], spec["causal"]
+  no_loop = (None, None)
   if spec["impl"] == "splash":
     names = (softmax.SPLASH_FORWARD, softmax.SPLASH_BACKWARD)
     attend = functools.partial(softmax.attend_splash, causal=causal)
-    return names, {}, [("all", attend, rows * H * softmax.splash_visible_blocks(T, causal), names, (1, 1))]
+    return names, {}, [("all", attend, rows * H * softmax.splash_visible_blocks(T, causal), names, no_loop)]
   if spec["impl"] == "pallas_linear":
     names = (linear.FORWARD, linear.BACKWARD)
     attend = functools.partial(linear.attend_pallas_linear, causal=causal)
     declared = linear.kernel_costs(causal, (rows, H, T, spec["head_dim"]), itemsize)
-    return names, declared, [("all", attend, rows * H * linear.visible_tiles(T, causal), names, (1, 1))]
+    return names, declared, [("all", attend, rows * H * linear.visible_tiles(T, causal), names, no_loop)]
   knobs = attention_core.Knobs(**spec["knobs"])
   keep_z = attention.keeps_z(spec["impl"])
   attend = functools.partial(hyper.attend_pallas_hypernetwork, knobs=knobs, causal=causal, keep_z=keep_z)
   declared = hyper.kernel_costs(knobs, causal, (rows, H, T, spec["head_dim"]), itemsize, keep_z)
   names = (hyper.FORWARD, hyper.BACKWARD)
-  trips = (1, H // hyper.heads_per_trip(H))
+  trips = (None, H // hyper.heads_per_trip(H))
   return names, declared, [(only or "all", functools.partial(attend, only=only), rows * steps,
                             tuple(hyper.program_name(n, only)
                                   for n in names), trips)

@@ -246,7 +246,8 @@ def test_the_compiler_counts_what_the_kernels_declare(monkeypatch):
 
 def test_kernel_schedule_counts_a_loop_inside_a_grid_step_per_trip(tmp_path):
   """A loop inside a kernel's grid step (HYLA's backward kernel loops over heads) appears once in the
-  compiler's listing, its bundles marked at loop depth 2; they count once per trip."""
+  compiler's listing, its bundles marked at loop depth 2; they count once per trip, and a kernel not
+  said to loop that does is an error, not a short count."""
   (tmp_path / "1-k-71-schedule-analysis_final_bundles.txt"
   ).write_text("Schedule analysis:\n\ttotal scheduled bundles:    7\n")
   listing = [
@@ -255,8 +256,10 @@ def test_kernel_schedule_counts_a_loop_inside_a_grid_step_per_trip(tmp_path):
       "  0x6   :  { %7 = vsyncpa }"
   ]
   (tmp_path / "1-k-72-final_bundles.txt").write_text("\n".join(listing) + "\n")
-  assert kernel_schedule.bundles(str(tmp_path), "k") == 7
   assert kernel_schedule.bundles(str(tmp_path), "k", loop_trips=4) == 7 + 3 * 3
+  assert kernel_schedule.bundles(str(tmp_path), "k", loop_trips=1) == 7
+  with pytest.raises(ValueError, match="k's grid step holds a loop .3 bundles at loop depth 2."):
+    kernel_schedule.bundles(str(tmp_path), "k")
 
 
 def test_kernel_schedule_of_splash_kernels():
