@@ -26,7 +26,8 @@ compiler keeps in registers (the schedule: backward 21,130 bundles a tile to 19,
 5,997; grouping 2, 4 or 8 queries does worse). The products that contract per key (z, Σ_d dz v_h,
 dv) stay on the vector unit: batched over keys, the MXU computes z in a third of the vector unit's
 bundles, but key-major, and the transposes to and from the per-query products' layout cost more than
-that (docs/compile_table.md). Only the sums over d of dz v_h leave it, in bfloat16 (`_da`).
+that (docs/compile_table.md). Only the sums over d of dz v_h leave it, in bfloat16 (`_da`; for a
+whole tile `_da_dv_by_heads`, which forms them and dv in a loop over heads).
 
 The backward pass is one kernel that walks query blocks for each key block, recomputes each tile, and
 accumulates dk and dv on chip, since two kernels in flash attention's split would each redo the tile's
