@@ -112,7 +112,7 @@ def _kernels(spec: dict, itemsize: int):
   loop inside each kernel's grid step). HYLA's causal kernels run one program on tiles below the
   diagonal and another on the diagonal: each is built and counted alone, for the steps that run it, as
   a kernel holding both would count both for every step. HYLA's backward kernel loops over heads
-  (lm.attention_hypernetwork.heads_per_trip)."""
+  (lm.attention_hypernetwork.head_loop_trips)."""
   from lm import (
       attention,
       attention_core,
@@ -137,7 +137,7 @@ def _kernels(spec: dict, itemsize: int):
   attend = functools.partial(hyper.attend_pallas_hypernetwork, knobs=knobs, causal=causal, keep_z=keep_z)
   declared = hyper.kernel_costs(knobs, causal, (rows, H, T, spec["head_dim"]), itemsize, keep_z)
   names = (hyper.FORWARD, hyper.BACKWARD)
-  trips = (None, H // hyper.heads_per_trip(H))
+  trips = (None, hyper.head_loop_trips(H))
   return names, declared, [(only or "all", functools.partial(attend, only=only), rows * steps,
                             tuple(hyper.program_name(n, only)
                                   for n in names), trips)

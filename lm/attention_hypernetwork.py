@@ -300,6 +300,12 @@ def heads_per_trip(H: int) -> int:
   return next(n for n in (4, 2, 1) if H % n == 0)
 
 
+def head_loop_trips(H: int) -> int:
+  """Trips of `_da_dv_by_heads`'s loop, whose body the compiler's listing holds once
+  (launch/kernel_schedule.py counts it this many times)."""
+  return H // heads_per_trip(H)
+
+
 def _da_dv_by_heads(da_out_qhk, dz_qdk, vt_ref, a_ref, dvt_acc_ref, dz_ref, daz_ref) -> jax.Array:
   """A whole tile's weights' cotangent [H, Q, BK] (da_out_qhk plus Σ_d dz · v_h) in bfloat16, and dv's
   share, Σ_q a_h dz, added to dvt_acc_ref; the weights from a_ref (`_row`). Both
@@ -334,7 +340,7 @@ def _da_dv_by_heads(da_out_qhk, dz_qdk, vt_ref, a_ref, dvt_acc_ref, dz_ref, daz_
       dvt_acc_ref[h] += _sum_terms(dv_terms)
     return carry
 
-  jax.lax.fori_loop(0, H // per, heads, 0)
+  jax.lax.fori_loop(0, head_loop_trips(H), heads, 0)
   return jnp.swapaxes(da_out_qhk, 0, 1) + daz_ref[...]
 
 
@@ -444,10 +450,10 @@ def _backward_kernel(*refs, static, segments):
   q_ref, k_ref, vt_ref, g_ref = refs[:4]
   z_ref = refs[4] if static.keep_z else None
   segq_ref, segk_ref = refs[4 + static.keep_z:][:2] if segments else (None, None)
-  n = 10 if _loops_over_heads(q_ref.dtype) else 8
+  _, H, bq, d = q_ref.shape
+  n = 8 + len(_head_loop_scratch(H, d, q_ref.dtype))
   dq_ref, dk_ref, dvt_ref, dq_acc_ref, dk_acc_ref, dvt_acc_ref, a_ref, ap_ref, *head_scratch = refs[-n:]
   j, i = pl.program_id(1), pl.program_id(2)
-  _, H, bq, d = q_ref.shape
   bk = k_ref.shape[2]
 
   @pl.when(i == 0)
