@@ -45,7 +45,10 @@ def get_config() -> ml_collections.ConfigDict:
           log_every_steps=50,
       ))
   # Device mesh: the product must equal the device count; -1 takes what the others leave.
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  # shard_state_over_data (a mesh of data alone): parameters and optimiser moments stored split over
+  # the data axis, ZeRO style; each step gathers the parameters whole and scatters the summed
+  # gradients back to the shards, so each device updates only its share of the state.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, shard_state_over_data=False))
   c.checkpoint = ml_collections.ConfigDict(
       dict(
           every_steps=1000,

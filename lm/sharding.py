@@ -69,6 +69,36 @@ def shardings(abstract_tree, mesh: Mesh, *, params):
                                               if _is_box(x) else P()), abstract_tree, is_leaf=_is_box)
 
 
+def over_data(abstract_tree, mesh: Mesh):
+  """Shardings for the state when `mesh.shard_state_over_data` (ZeRO style, on a mesh of data alone):
+  each array split over the data axis along its first dimension that the axis divides, the others
+  (scalars such as the optimiser's step count, indivisible shapes) whole on every device."""
+  n = mesh.shape["data"]
+
+  def split(x) -> NamedSharding:
+    dim = next((i for i, m in enumerate(x.shape) if m % n == 0), None)
+    return NamedSharding(mesh, P(*("data" if i == dim else None for i in range(x.ndim))))
+
+  return jax.tree.map(split, abstract_tree)
+
+
+def _data_dim(spec: P) -> int | None:
+  return next((i for i, a in enumerate(spec) if a == "data"), None)
+
+
+def gather_over_data(x: jax.Array, spec: P) -> jax.Array:
+  """Inside a shard_map: the array whole, from this device's shard of it (`over_data`)."""
+  dim = _data_dim(spec)
+  return x if dim is None else jax.lax.all_gather(x, "data", axis=dim, tiled=True)
+
+
+def scatter_over_data(x: jax.Array, spec: P) -> jax.Array:
+  """Inside a shard_map: x summed over the devices, this device's shard of the sum (`over_data`)."""
+  dim = _data_dim(spec)
+  return jax.lax.psum(x, "data") if dim is None else jax.lax.psum_scatter(x, "data", scatter_dimension=dim,
+                                                                          tiled=True)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH))
 

@@ -32,6 +32,10 @@ def test_meshes_and_microbatches_give_the_same_losses(small_corpus):
   assert flat["sums_on_devices"] and flat["shapes"] == [f"f32[{flat['parameters'] + 2}]{{0}}"], flat
   # Parameters split over fsdp and tensor: jit partitions the step and places the sums itself.
   assert not all_reduces["16 devices data=4 fsdp=2 tensor=2, 2 microbatches"]["sums_on_devices"]
+  assert flat["params_whole"] > 0 and flat["all_gathers"] == 0, flat
+  # The state split over the data axis: every parameter stored in shards, gathered whole each step.
+  split = all_reduces["4 devices data=4, state over data, 2 microbatches"]
+  assert not split["sums_on_devices"] and split["params_whole"] == 0 and split["all_gathers"] > 0, split
   lm_losses = by_model["language model"]["1 device"]
   assert lm_losses[-1] < lm_losses[0]
   for model, losses in by_model.items():
@@ -86,10 +90,12 @@ def test_two_processes_match_one_and_restart_exactly_after_sigkill(small_corpus,
 
   env = {**os.environ, "PYTHONPATH": HERE}
   # One compilation cache for the two-process runs: only the first compiles (and the bitwise
-  # comparison below covers programs loaded from the cache too).
+  # comparison below covers programs loaded from the cache too). They keep the state split over the
+  # data axis, as configs/c4_50m.py does on its 4 hosts; the one process keeps it whole.
   launch = lambda workdir, *flags: [
       sys.executable, "-m", "launch.cli", "processes", "-n", "2", "--xla_devices", "4", *flags, "--", *train(
-          workdir), f"--config.compilation_cache={tmp_path / 'cache'}"
+          workdir), f"--config.compilation_cache={tmp_path / 'cache'}",
+      "--config.mesh.shard_state_over_data=True"
   ]
   two = tmp_path / "two_processes"
   result = subprocess.run(launch(two), capture_output=True, text=True, env=env, timeout=600)

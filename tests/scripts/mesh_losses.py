@@ -6,7 +6,7 @@ which every mesh must shard), and SRAVEN with attention dropout (one mask per st
 batch however the batch is split: over devices, as cpu_devices does on a CPU host, and into
 microbatches); and under "all-reduces", for each mesh, the shapes of the all-reduces in its compiled
 train step (on CPU, with the parameters whole on every device, the step sums the gradients itself, as
-one vector).
+one vector), how many parameters are whole on every device and how many all-gathers the step holds.
 """
 
 import json
@@ -34,7 +34,9 @@ def losses(config, devices, name=None):
     ALL_REDUCES[name] = {
         "shapes": re.findall(r"= (.*?) all-reduce\(", hlo),
         "parameters": exp.num_params,
-        "sums_on_devices": exp.sums_on_devices
+        "sums_on_devices": exp.sums_on_devices,
+        "params_whole": sum(s.is_fully_replicated for s in jax.tree.leaves(exp.state_shardings.params)),
+        "all_gathers": len(re.findall(r"all-gather(?:-start)?\(", hlo)),
     }
   return out
 
@@ -46,6 +48,8 @@ def main():
       "8 devices fsdp=8": (dict(data=1, fsdp=8, tensor=1), 8, 1),
       "16 devices data=4 fsdp=2 tensor=2, 2 microbatches": (dict(data=4, fsdp=2, tensor=2), 16, 2),
       "4 devices data=4, 2 microbatches": (dict(data=4, fsdp=1, tensor=1), 4, 2),
+      "4 devices data=4, state over data, 2 microbatches": (dict(data=4, fsdp=1, tensor=1,
+                                                                 shard_state_over_data=True), 4, 2),
   }
   for name, (mesh, n, k) in meshes.items():
     c = small_config(sys.argv[1])
