@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from jax import flatten_util
 from jax.experimental import multihost_utils
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from data_pipelines import pipeline
 from lm import cross_entropy, model as model_lib, optimizer as optimizer_lib, sharding, stats, tasks
@@ -288,9 +288,21 @@ class Experiment:
       return self._train_step.lower(self.abstract_sharded_state(), self.batch_spec())
 
   @functools.cached_property
+  def _eval_params(self):
+    """The parameters' shardings in evaluation: as stored, or whole on every device when the state is
+    split over the data axis (gathered once a set by `_gather`, not in every batch)."""
+    if not self.state_over_data:
+      return self.state_shardings.params
+    return jax.tree.map(lambda _: NamedSharding(self.mesh, P()), self.state_shardings.params)
+
+  @functools.cached_property
+  def _gather(self):
+    return jax.jit(lambda params: params, out_shardings=self._eval_params)
+
+  @functools.cached_property
   def _eval_step(self):
     step = lambda params, batch: self.task.eval_sums(self.apply(params, batch), batch)
-    return jax.jit(step, in_shardings=(self.state_shardings.params, self.batch_sharding),
+    return jax.jit(step, in_shardings=(self._eval_params, self.batch_sharding),
                    compiler_options=self.compiler_options)
 
   def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -307,6 +319,8 @@ class Experiment:
     """The task's metrics over every batch of a set. Per-batch sums stay on device until the end,
     so the host dispatches the whole set without waiting; they are added (moments merged) in float64."""
     with jax.set_mesh(self.mesh):
+      if self.state_over_data:
+        params = self._gather(params)
       per_batch = jax.device_get(
           [self._eval_step(params, self.global_batch(b)) for b in _until_all_done(batches)])
     sums = {
