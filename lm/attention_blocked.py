@@ -264,7 +264,7 @@ def _backward(tiling, residuals, dout):
                                                                      block, axis)
       if dbias is not None:
         # Each (i, j) tile of the bias is visited once: written, not accumulated.
-        dbias = jax.lax.dynamic_update_slice(dbias, dbias_t, (0, 0, i * block, j * block))
+        dbias = jax.lax.dynamic_update_slice(dbias, dbias_t.astype(dbias.dtype), (0, 0, i * block, j * block))
       return dq_bqhd + dq_t, add(dk, dk_t, 1), add(dv, dv_t, 1), dbias
 
     dk, dv, dbias = carry

@@ -214,11 +214,16 @@ class Experiment:
     (mesh.shard_state_over_data), each gradient summed over the devices and scattered back to its
     shard. The optimiser's update then reads and writes a sixteenth of the state on each of 16 chips
     (configs/c4_50m.py on v5e:4x4: 1.34 GB a step per chip with the state whole, docs/compile_table.md).
-    The parameters are gathered in float32, as stored: the model rounds each to its compute dtype
-    where it uses it, as with the state whole, so both give the same numbers."""
-    whole = jax.tree.map(sharding.gather_over_data, params, specs)
+    The parameters that the model only uses rounded to its compute dtype are rounded before they are
+    gathered (`model.rounded_before_use`), and their gradients come back in that dtype: the numbers
+    are those of the state whole on every device, where XLA sums bfloat16 gradients too."""
+    low = model_lib.DTYPES[self.model_cfg.dtype]
+    rounded = model_lib.rounded_before_use(params)
+    whole = jax.tree.map(lambda p, spec, r: sharding.gather_over_data(p.astype(low) if r else p, spec),
+                         params, specs, rounded)
     total, weight, grads = self._sums(whole, batch, rng)
-    grads = jax.tree.map(sharding.scatter_over_data, grads, specs)
+    grads = jax.tree.map(lambda g, p, spec: sharding.scatter_over_data(g, spec).astype(p.dtype), grads,
+                         params, specs)
     return jax.lax.psum(total, sharding.BATCH), jax.lax.psum(weight, sharding.BATCH), grads
 
   def _sums(self, params, batch, rng):

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,6 +167,26 @@ def test_remat_and_bfloat16_keep_the_function():
   out = bf16.apply({"params": params}, tokens_bt)
   assert out.dtype == jnp.float32 and np.abs(np.asarray(out) - np.asarray(ref)).max() < 0.1
   assert jax.tree.leaves(params)[0].dtype == jnp.float32
+
+
+def test_parameters_rounded_before_use_change_no_number():
+  """What `rounded_before_use` marks, rounded to bfloat16 before a bfloat16 model, gives the same outputs
+  and gradients to the bit: the model rounds them itself. Rounding the relative-position tables too
+  would not."""
+  kw = dict(V=50, D=32, H=4, L=2, F=64, attention="hyla", dtype="bfloat16", positions="relative_bias",
+            relative_bias_per_layer=True, projection_bias=True)
+  m, params, tokens_bt = _model(**kw)
+  params = nn.meta.unbox(params)
+  marked = model_lib.rounded_before_use(params)
+  assert not marked["relative_bias_0"] and marked["embed"] and marked["block_0"]["attn"]["bq"]
+  assert not marked["block_0"]["ln_attn"]["scale"]
+  ref, ref_grads = _output_and_grads(m, params, tokens_bt)
+  rounded = jax.tree.map(lambda p, r: p.astype(jnp.bfloat16) if r else p, params, marked)
+  out, grads = _output_and_grads(m, rounded, tokens_bt)
+  np.testing.assert_array_equal(out, ref)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a.astype(jnp.float32), b), grads, ref_grads)
+  every = jax.tree.map(lambda p: p.astype(jnp.bfloat16) if p.ndim >= 2 else p, params)
+  assert np.abs(np.asarray(_output_and_grads(m, every, tokens_bt)[0]) - np.asarray(ref)).max() > 0
 
 
 def test_remat_mlp_keeps_no_hidden_for_the_backward_pass(capsys):
