@@ -218,7 +218,7 @@ class Experiment:
     gathered (`model.rounded_before_use`), and their gradients come back in that dtype: the numbers
     are those of the state whole on every device, where XLA sums bfloat16 gradients too."""
     low = model_lib.DTYPES[self.model_cfg.dtype]
-    rounded = model_lib.rounded_before_use(params)
+    rounded = model_lib.rounded_before_use(self.model_cfg, params)
     whole = jax.tree.map(lambda p, spec, r: sharding.gather_over_data(p.astype(low) if r else p, spec),
                          params, specs, rounded)
     total, weight, grads = self._sums(whole, batch, rng)

@@ -443,14 +443,17 @@ def latent_codes(model: Transformer, params, inputs, **kw) -> list[jax.Array]:
   return [state["codes"][f"block_{i}"]["attn"]["a_bhqk"][0] for i in range(model.cfg.L)]
 
 
-def rounded_before_use(params):
-  """Per parameter, whether the model uses it only rounded to its compute dtype (`model.dtype`): every
-  parameter of two or more dimensions but the relative-position bias tables, which are added to
-  float32 scores; the layer norms' scales are used as they are. Rounding these first changes no
-  number (tests/test_model.py): the step that gathers the parameters from their shards
-  (`mesh.shard_state_over_data`) does, and moves half the bytes in bfloat16."""
+def rounded_before_use(cfg: ModelConfig, params):
+  """Per parameter, whether the model uses it only rounded to its compute dtype (`model.dtype`), once:
+  every parameter of two or more dimensions but the relative-position bias tables, which are added to
+  float32 scores, and a tied embedding, rounded for the lookup and again for the readout, whose two
+  gradients are added in float32. The layer norms' scales are used as they are. Rounding these first
+  changes no number, outputs or gradients (tests/test_model.py): the step that gathers the parameters
+  from their shards (`mesh.shard_state_over_data`) does, and moves half the bytes in bfloat16."""
+  tied = cfg.tied_embeddings and not cfg.input_dim
+  keep = lambda name: "relative_bias" in name or (tied and name == "['embed']")
   return jax.tree_util.tree_map_with_path(
-      lambda path, p: p.ndim >= 2 and "relative_bias" not in jax.tree_util.keystr(path), params)
+      lambda path, p: p.ndim >= 2 and not keep(jax.tree_util.keystr(path)), params)
 
 
 def count_params(params) -> int:

@@ -169,24 +169,28 @@ def test_remat_and_bfloat16_keep_the_function():
   assert jax.tree.leaves(params)[0].dtype == jnp.float32
 
 
-def test_parameters_rounded_before_use_change_no_number():
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameters_rounded_before_use_change_no_number(tied):
   """What `rounded_before_use` marks, rounded to bfloat16 before a bfloat16 model, gives the same outputs
   and gradients to the bit: the model rounds them itself. Rounding the relative-position tables too
-  would not."""
+  changes the outputs, and a tied embedding's gradient."""
   kw = dict(V=50, D=32, H=4, L=2, F=64, attention="hyla", dtype="bfloat16", positions="relative_bias",
-            relative_bias_per_layer=True, projection_bias=True)
+            relative_bias_per_layer=True, projection_bias=True, tied_embeddings=tied)
   m, params, tokens_bt = _model(**kw)
   params = nn.meta.unbox(params)
-  marked = model_lib.rounded_before_use(params)
-  assert not marked["relative_bias_0"] and marked["embed"] and marked["block_0"]["attn"]["bq"]
+  marked = model_lib.rounded_before_use(m.cfg, params)
+  assert not marked["relative_bias_0"] and marked["embed"] != tied and marked["block_0"]["attn"]["bq"]
   assert not marked["block_0"]["ln_attn"]["scale"]
   ref, ref_grads = _output_and_grads(m, params, tokens_bt)
   rounded = jax.tree.map(lambda p, r: p.astype(jnp.bfloat16) if r else p, params, marked)
   out, grads = _output_and_grads(m, rounded, tokens_bt)
   np.testing.assert_array_equal(out, ref)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a.astype(jnp.float32), b), grads, ref_grads)
-  every = jax.tree.map(lambda p: p.astype(jnp.bfloat16) if p.ndim >= 2 else p, params)
-  assert np.abs(np.asarray(_output_and_grads(m, every, tokens_bt)[0]) - np.asarray(ref)).max() > 0
+  every_out, every_grads = _output_and_grads(
+      m, jax.tree.map(lambda p: p.astype(jnp.bfloat16) if p.ndim >= 2 else p, params), tokens_bt)
+  assert np.abs(np.asarray(every_out) - np.asarray(ref)).max() > 0
+  if tied:
+    assert np.abs(np.asarray(every_grads["embed"], np.float32) - np.asarray(ref_grads["embed"])).max() > 0
 
 
 def test_remat_mlp_keeps_no_hidden_for_the_backward_pass(capsys):
