@@ -241,8 +241,8 @@ def format_report(r: dict) -> str:
       f"{r['compile_seconds']:.0f} s", "memory per chip:"
   ]
   if "compiler_message" in r:
-    fix = ("shard the state: mesh.fsdp (width) or mesh.tensor (heads, MLP, vocabulary)"
-           if r["argument_bytes"] > r["hbm_bytes"] /
+    fix = ("shard the state: mesh.shard_state_over_data (on a mesh of data alone), mesh.fsdp (width) or "
+           "mesh.tensor (heads, MLP, vocabulary)" if r["argument_bytes"] > r["hbm_bytes"] /
            2 else "lower train.batch_size, raise train.microbatches, or set model.remat=block")
     if all(map(attention.keeps_z, r["attention_impls"])):  # one impl serves every layer
       fix += ("; or have HYLA's kernels recompute z instead of keeping it (memory that grows with the "

@@ -58,10 +58,10 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
       for x in jax.tree.leaves(exp.abstract_sharded_state()))
   assert 3 * 4 * exp.num_params / 16 <= state < 3 * 4 * exp.num_params / 16 + 2**10
   assert 0 <= r["argument_bytes"] - state - 5 * 4 * 512 < 2**20
-  # The compiler's peak: what is live at once, at most every buffer it assigned (the donated state's
-  # shards are dead once gathered, so the peak can fall below arguments plus temporaries).
-  buffers = r["argument_bytes"] + r["output_bytes"] + r["temp_bytes"] + r["code_bytes"]
-  assert r["temp_bytes"] / 2 < r["total_bytes"] <= buffers and r["total_bytes"] < r["hbm_bytes"] == 16 * 2**30
+  # The compiler's peak holds at least the arguments (live when the step starts). With the state in
+  # shards it is not arguments plus temporaries: the donated shards die once gathered, and the
+  # compiler's peak and its temporary allocation are counted differently (either can be the larger).
+  assert r["argument_bytes"] <= r["total_bytes"] < r["hbm_bytes"] == 16 * 2**30
   # The compiler and the model agree on the step's FLOPs within the attention core's share.
   assert 0.8 < r["compiler_flops"] / r["model_flops"] < 1.25
   # The attention's Pallas kernels add their time, each the longer of the compiler's schedule and its

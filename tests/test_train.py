@@ -264,8 +264,8 @@ def test_the_cpu_library_fusion_reaches_the_compiled_steps_and_changes_no_number
 def test_cpu_devices_split_the_host_and_a_run_resumes_on_another_count(small_corpus, tmp_path):
   """config.cpu_devices makes the CPU that many devices, which the mesh's data axis takes; a run saved on
   2 resumes on 4, given by XLA_FLAGS, whose forced count wins over the config's, and with its state now
-  split over the data axis (mesh.shard_state_over_data); lm-latent's reader takes the parameters, saved
-  in shards, onto one device."""
+  split over the data axis (mesh.shard_state_over_data), then whole again; lm-latent's reader takes the
+  parameters onto one device."""
   config = tmp_path / "config.py"
   config.write_text(f"from small import small_config\n\ndef get_config():\n"
                     f"  c = small_config({str(small_corpus)!r})\n  c.train.steps = 4\n  c.cpu_devices = 2\n"
@@ -282,9 +282,14 @@ def test_cpu_devices_split_the_host_and_a_run_resumes_on_another_count(small_cor
   assert again.returncode == 0, again.stderr[-3000:]
   assert "1 process, 4 devices, mesh {'data': 4, 'fsdp': 1, 'tensor': 1}" in again.stdout
   assert "resumed from the checkpoint at step 4" in again.stdout and "step 6/6 | loss" in again.stdout
-  # The analysis tools read the parameters whole in this process (one device), saved on 4.
+  # The analysis tools read the parameters whole in this process (one device), saved on 4 in shards.
   config, params = checkpointing.load(str(tmp_path / "run"))
   assert config.cpu_devices == 2 and params["embed"].shape == (320, 32)
+  # And back: the split save resumes with the state whole on every device.
+  whole = subprocess.run([*cmd, "--config.train.steps=8"], capture_output=True, text=True, env=env,
+                         timeout=300)
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  assert "resumed from the checkpoint at step 6" in whole.stdout and "step 8/8 | loss" in whole.stdout
 
 
 def test_cpu_devices_leave_a_started_jax_as_it_is(monkeypatch, caplog):
