@@ -41,6 +41,8 @@ ADDED_FIELDS = {
     "model.projection_bias": False,
     "model.residual_init": "depth",
     "train.schedule": "cosine",
+    "train.cross_entropy_impl": "xla",
+    "mesh.shard_state_over_data": False,
 }
 
 

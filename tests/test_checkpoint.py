@@ -18,6 +18,7 @@ from etils import epath
 from small import small_config, tensorboard_events
 
 from lm import checkpointing, ownership, run_log, train
+from lm.experiment import Experiment
 
 CONFIG_FILE = """
 from small import small_config
@@ -209,6 +210,8 @@ def test_a_run_saved_before_later_fields_existed_still_resumes(small_corpus, ref
   saved.write_text(json.dumps(_only_first_fields(json.loads(saved.read_text()))))
   step, config = checkpointing.saved_config(str(workdir))
   assert step == 30 and config.train.schedule == "cosine" and config.model.relative_bias_per_layer is False
+  # lm-eval and lm-sample build the run's Experiment from the saved config.
+  assert config.mesh.shard_state_over_data is False and not Experiment(config).state_over_data
   checkpointing.check_compatible(config.to_dict(), small_config(small_corpus).to_dict())
   assert checkpointing.load(str(workdir))[1]["embed"].shape == (320, 32)
 
