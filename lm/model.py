@@ -446,12 +446,16 @@ def latent_codes(model: Transformer, params, inputs, **kw) -> list[jax.Array]:
 def rounded_before_use(cfg: ModelConfig, params):
   """Per parameter, whether the model uses it only rounded to its compute dtype (`model.dtype`), once:
   every parameter of two or more dimensions but the relative-position bias tables, which are added to
-  float32 scores, and a tied embedding, rounded for the lookup and again for the readout, whose two
-  gradients are added in float32. The layer norms' scales are used as they are. Rounding these first
-  changes no number, outputs or gradients (tests/test_model.py): the step that gathers the parameters
-  from their shards (`mesh.shard_state_over_data`) does, and moves half the bytes in bfloat16."""
+  float32 scores, and those that take part in two products whose gradients are added in float32: a
+  tied embedding (the lookup and the readout) and, with `rope_by_product`, the q and k projections and
+  their biases (each product and its rotation partner's). The layer norms' scales are used as they
+  are. Rounding these first changes no number, outputs or gradients (tests/test_model.py): the step
+  that gathers the parameters from their shards (`mesh.shard_state_over_data`) does, and moves half
+  the bytes in bfloat16."""
   tied = cfg.tied_embeddings and not cfg.input_dim
-  keep = lambda name: "relative_bias" in name or (tied and name == "['embed']")
+  twice = ("wq", "wk", "bq", "bk") if cfg.positions == "rotary" and cfg.rope_by_product else ()
+  keep = lambda name: ("relative_bias" in name or
+                       (tied and name == "['embed']") or any(name.endswith(f"['{w}']") for w in twice))
   return jax.tree_util.tree_map_with_path(
       lambda path, p: p.ndim >= 2 and not keep(jax.tree_util.keystr(path)), params)
 

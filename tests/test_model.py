@@ -169,18 +169,25 @@ def test_remat_and_bfloat16_keep_the_function():
   assert jax.tree.leaves(params)[0].dtype == jnp.float32
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_parameters_rounded_before_use_change_no_number(tied):
+@pytest.mark.parametrize("case", ["relative_bias", "relative_bias_tied", "rope_by_product"])
+def test_parameters_rounded_before_use_change_no_number(case):
   """What `rounded_before_use` marks, rounded to bfloat16 before a bfloat16 model, gives the same outputs
-  and gradients to the bit: the model rounds them itself. Rounding the relative-position tables too
-  changes the outputs, and a tied embedding's gradient."""
-  kw = dict(V=50, D=32, H=4, L=2, F=64, attention="hyla", dtype="bfloat16", positions="relative_bias",
-            relative_bias_per_layer=True, projection_bias=True, tied_embeddings=tied)
+  and gradients to the bit: the model rounds them itself. Rounding the others too changes numbers: the
+  relative-position tables (the outputs), a tied embedding's gradient, and with rope_by_product (as
+  configs/c4_50m.py sets it) the gradients of the q and k projections, each used in two products."""
+  tied = case == "relative_bias_tied"
+  kw = dict(V=50, D=32, H=4, L=2, F=64, attention="hyla", dtype="bfloat16", projection_bias=True,
+            tied_embeddings=tied)
+  kw.update(
+      dict(positions="rotary", rope_by_product=True) if case ==
+      "rope_by_product" else dict(positions="relative_bias", relative_bias_per_layer=True))
   m, params, tokens_bt = _model(**kw)
   params = nn.meta.unbox(params)
   marked = model_lib.rounded_before_use(m.cfg, params)
-  assert not marked["relative_bias_0"] and marked["embed"] != tied and marked["block_0"]["attn"]["bq"]
-  assert not marked["block_0"]["ln_attn"]["scale"]
+  attn = marked["block_0"]["attn"]
+  assert marked["embed"] != tied and attn["wv"] and not marked["block_0"]["ln_attn"]["scale"]
+  assert attn["wq"] == attn["wk"] == attn["bq"] == attn["bk"] == (case != "rope_by_product")
+  assert case == "rope_by_product" or not marked["relative_bias_0"]
   ref, ref_grads = _output_and_grads(m, params, tokens_bt)
   rounded = jax.tree.map(lambda p, r: p.astype(jnp.bfloat16) if r else p, params, marked)
   out, grads = _output_and_grads(m, rounded, tokens_bt)
@@ -188,9 +195,16 @@ def test_parameters_rounded_before_use_change_no_number(tied):
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a.astype(jnp.float32), b), grads, ref_grads)
   every_out, every_grads = _output_and_grads(
       m, jax.tree.map(lambda p: p.astype(jnp.bfloat16) if p.ndim >= 2 else p, params), tokens_bt)
-  assert np.abs(np.asarray(every_out) - np.asarray(ref)).max() > 0
+  differs = lambda a, b: np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max() > 0
+  if case == "relative_bias":
+    assert differs(every_out, ref)
   if tied:
-    assert np.abs(np.asarray(every_grads["embed"], np.float32) - np.asarray(ref_grads["embed"])).max() > 0
+    assert differs(every_grads["embed"], ref_grads["embed"])
+  if case == "rope_by_product":
+    assert any(
+        differs(every_grads[f"block_{i}"]["attn"][w], ref_grads[f"block_{i}"]["attn"][w])
+        for i in range(2)
+        for w in ("wq", "wk"))
 
 
 def test_remat_mlp_keeps_no_hidden_for_the_backward_pass(capsys):
