@@ -446,12 +446,13 @@ def latent_codes(model: Transformer, params, inputs, **kw) -> list[jax.Array]:
 def rounded_before_use(cfg: ModelConfig, params):
   """Per parameter, whether the model uses it only rounded to its compute dtype (`model.dtype`), once:
   every parameter of two or more dimensions but the relative-position bias tables, which are added to
-  float32 scores, and those that take part in two products whose gradients are added in float32: a
-  tied embedding (the lookup and the readout) and, with `rope_by_product`, the q and k projections and
-  their biases (each product and its rotation partner's). The layer norms' scales are used as they
-  are. Rounding these first changes no number, outputs or gradients (tests/test_model.py): the step
-  that gathers the parameters from their shards (`mesh.shard_state_over_data`) does, and moves half
-  the bytes in bfloat16."""
+  float32 scores, and those that take part in two products: a tied embedding (the lookup and the
+  readout) and, with `rope_by_product`, the q and k projections and their biases (the projection and
+  its rotation partner). A float32 parameter's two gradients XLA adds in float32 (it may keep excess
+  precision); a rounded one's it would add in bfloat16. The layer norms' scales are used as they are.
+  Rounding the marked ones first changes no number, outputs or gradients (tests/test_model.py): the
+  step that gathers the parameters from their shards (`mesh.shard_state_over_data`) does, and moves
+  half the bytes in bfloat16."""
   tied = cfg.tied_embeddings and not cfg.input_dim
   twice = ("wq", "wk", "bq", "bk") if cfg.positions == "rotary" and cfg.rope_by_product else ()
   keep = lambda name: ("relative_bias" in name or

@@ -169,25 +169,32 @@ def test_remat_and_bfloat16_keep_the_function():
   assert jax.tree.leaves(params)[0].dtype == jnp.float32
 
 
-@pytest.mark.parametrize("case", ["relative_bias", "relative_bias_tied", "rope_by_product"])
+_ROUNDING_CASES = {
+    "relative_bias": dict(positions="relative_bias", relative_bias_per_layer=True),
+    "relative_bias_tied": dict(positions="relative_bias", relative_bias_per_layer=True, tied_embeddings=True),
+    "rope_by_product": dict(positions="rotary", rope_by_product=True),  # as configs/c4_50m.py
+    "learned_softmax": dict(positions="learned", attention="softmax"),
+}
+
+
+@pytest.mark.parametrize("case", list(_ROUNDING_CASES))
 def test_parameters_rounded_before_use_change_no_number(case):
   """What `rounded_before_use` marks, rounded to bfloat16 before a bfloat16 model, gives the same outputs
   and gradients to the bit: the model rounds them itself. Rounding the others too changes numbers: the
-  relative-position tables (the outputs), a tied embedding's gradient, and with rope_by_product (as
-  configs/c4_50m.py sets it) the gradients of the q and k projections, each used in two products."""
-  tied = case == "relative_bias_tied"
-  kw = dict(V=50, D=32, H=4, L=2, F=64, attention="hyla", dtype="bfloat16", projection_bias=True,
-            tied_embeddings=tied)
-  kw.update(
-      dict(positions="rotary", rope_by_product=True) if case ==
-      "rope_by_product" else dict(positions="relative_bias", relative_bias_per_layer=True))
+  relative-position tables (the outputs), a tied embedding's gradient, and with rope_by_product the
+  gradients of the q and k projections, each used in two products."""
+  kw = {
+      **dict(V=50, D=32, H=4, L=2, F=64, attention="hyla", dtype="bfloat16", projection_bias=True),
+      **_ROUNDING_CASES[case]
+  }
+  tied, twice = kw.get("tied_embeddings", False), kw.get("rope_by_product", False)
   m, params, tokens_bt = _model(**kw)
   params = nn.meta.unbox(params)
   marked = model_lib.rounded_before_use(m.cfg, params)
   attn = marked["block_0"]["attn"]
   assert marked["embed"] != tied and attn["wv"] and not marked["block_0"]["ln_attn"]["scale"]
-  assert attn["wq"] == attn["wk"] == attn["bq"] == attn["bk"] == (case != "rope_by_product")
-  assert case == "rope_by_product" or not marked["relative_bias_0"]
+  assert attn["wq"] == attn["wk"] == attn["bq"] == attn["bk"] == (not twice)
+  assert not marked.get("relative_bias_0", False)
   ref, ref_grads = _output_and_grads(m, params, tokens_bt)
   rounded = jax.tree.map(lambda p, r: p.astype(jnp.bfloat16) if r else p, params, marked)
   out, grads = _output_and_grads(m, rounded, tokens_bt)
@@ -200,11 +207,9 @@ def test_parameters_rounded_before_use_change_no_number(case):
     assert differs(every_out, ref)
   if tied:
     assert differs(every_grads["embed"], ref_grads["embed"])
-  if case == "rope_by_product":
-    assert any(
-        differs(every_grads[f"block_{i}"]["attn"][w], ref_grads[f"block_{i}"]["attn"][w])
-        for i in range(2)
-        for w in ("wq", "wk"))
+  if twice:
+    attn_grads = [(every_grads[f"block_{i}"]["attn"], ref_grads[f"block_{i}"]["attn"]) for i in range(2)]
+    assert any(differs(e[w], r[w]) for e, r in attn_grads for w in ("wq", "wk"))
 
 
 def test_remat_mlp_keeps_no_hidden_for_the_backward_pass(capsys):
