@@ -215,8 +215,9 @@ class Experiment:
     shard. The optimiser's update then reads and writes a sixteenth of the state on each of 16 chips
     (configs/c4_50m.py on v5e:4x4: 1.34 GB a step per chip with the state whole, docs/compile_table.md).
     The parameters that the model only uses rounded to its compute dtype are rounded before they are
-    gathered (`model.rounded_before_use`), and their gradients come back in that dtype: the numbers
-    are those of the state whole on every device, where XLA sums bfloat16 gradients too."""
+    gathered (`model.rounded_before_use`), and their gradients come back in that dtype (summed over
+    microbatches in float32, `_sums`): the numbers are those of the state whole on every device, where
+    XLA sums bfloat16 gradients too."""
     low = model_lib.DTYPES[self.model_cfg.dtype]
     rounded = model_lib.rounded_before_use(self.model_cfg, params)
     whole = jax.tree.map(lambda p, spec, r: sharding.gather_over_data(p.astype(low) if r else p, spec),
@@ -242,9 +243,13 @@ class Experiment:
         # Every microbatch takes the step's key: attention dropout's mask is one per step, shared over
         # the batch, so k parts train exactly what one batch would.
         (total, (_, weight)), grads = grad_fn(params, mb, rng)
-        return jax.tree.map(jnp.add, carry, (total, weight, grads)), None
+        return jax.tree.map(lambda c, x: c + x.astype(c.dtype), carry, (total, weight, grads)), None
 
-      zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+      # The gradients add up in float32 at least: a parameter gathered rounded to bfloat16
+      # (mesh.shard_state_over_data) has bfloat16 gradients, which the state whole converts to float32
+      # in every microbatch before the sum.
+      accumulator = lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32))
+      zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(accumulator, params))
       (total, weight, grads), _ = jax.lax.scan(body, zeros, micro)
     return total, weight, grads
 
