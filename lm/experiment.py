@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from data_pipelines import pipeline
-from lm import cross_entropy, model as model_lib, optimizer as optimizer_lib, sharding, stats, tasks
+from lm import cross_entropy, model as model_lib, optimizer as optimizer_lib, rounding, sharding, stats, tasks
 
 
 @flax.struct.dataclass
@@ -215,17 +215,25 @@ class Experiment:
     shard. The optimiser's update then reads and writes a sixteenth of the state on each of 16 chips
     (configs/c4_50m.py on v5e:4x4: 1.34 GB a step per chip with the state whole, docs/compile_table.md).
     The parameters that the model only uses rounded to its compute dtype are rounded before they are
-    gathered (`model.rounded_before_use`), and their gradients come back in that dtype (summed over
-    microbatches in float32, `_sums`): the numbers are those of the state whole on every device, where
-    XLA sums bfloat16 gradients too."""
+    gathered (lm/rounding.py), and their gradients come back in that dtype (summed over microbatches
+    in float32, `_sums`): the numbers are those of the state whole on every device, where XLA sums
+    bfloat16 gradients too."""
     low = model_lib.DTYPES[self.model_cfg.dtype]
-    rounded = model_lib.rounded_before_use(self.model_cfg, params)
+    rounded = self.rounded_before_use(
+        *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (batch, rng)))
     whole = jax.tree.map(lambda p, spec, r: sharding.gather_over_data(p.astype(low) if r else p, spec),
                          params, specs, rounded)
     total, weight, grads = self._sums(whole, batch, rng)
     grads = jax.tree.map(lambda g, p, spec: sharding.scatter_over_data(g, spec).astype(p.dtype), grads,
                          params, specs)
     return jax.lax.psum(total, sharding.BATCH), jax.lax.psum(weight, sharding.BATCH), grads
+
+  def rounded_before_use(self, batch, rng) -> dict:
+    """Per parameter, whether the training loss on `batch` (arrays or their abstract shapes) uses it
+    only rounded to the model's compute dtype, once (lm/rounding.py)."""
+    return rounding.rounded_before_use(lambda p, b, r: self._weighted_loss(p, b, r)[0],
+                                       model_lib.DTYPES[self.model_cfg.dtype], self.abstract_state.params,
+                                       batch, rng)
 
   def _sums(self, params, batch, rng):
     """The weighted loss summed over the batch's microbatches, the summed weight and the gradients of

@@ -443,23 +443,5 @@ def latent_codes(model: Transformer, params, inputs, **kw) -> list[jax.Array]:
   return [state["codes"][f"block_{i}"]["attn"]["a_bhqk"][0] for i in range(model.cfg.L)]
 
 
-def rounded_before_use(cfg: ModelConfig, params):
-  """Per parameter, whether the model uses it only rounded to its compute dtype (`model.dtype`), once:
-  every parameter of two or more dimensions but the relative-position bias tables, which are added to
-  float32 scores, and those that take part in two products: a tied embedding (the lookup and the
-  readout) and, with `rope_by_product`, the q and k projections and their biases (the projection and
-  its rotation partner). A float32 parameter's two gradients XLA adds in float32 (it may keep excess
-  precision); a rounded one's it would add in bfloat16. The layer norms' scales are used as they are.
-  Rounding the marked ones first changes no number, outputs or gradients (tests/test_model.py): the
-  step that gathers the parameters from their shards (`mesh.shard_state_over_data`) does, and moves
-  half the bytes in bfloat16."""
-  tied = cfg.tied_embeddings and not cfg.input_dim
-  twice = ("wq", "wk", "bq", "bk") if cfg.positions == "rotary" and cfg.rope_by_product else ()
-  keep = lambda name: ("relative_bias" in name or
-                       (tied and name == "['embed']") or any(name.endswith(f"['{w}']") for w in twice))
-  return jax.tree_util.tree_map_with_path(
-      lambda path, p: p.ndim >= 2 and not keep(jax.tree_util.keystr(path)), params)
-
-
 def count_params(params) -> int:
   return sum(x.size for x in jax.tree.leaves(params))

@@ -10,7 +10,7 @@ import pytest
 from jax import ad_checkpoint
 from jax.extend import core as jax_core
 
-from lm import attention, checkpointing, cross_entropy, flops, model as model_lib
+from lm import attention, checkpointing, cross_entropy, flops, model as model_lib, rounding
 
 
 def _model(**kw):
@@ -170,36 +170,42 @@ def test_remat_and_bfloat16_keep_the_function():
 
 
 _ROUNDING_CASES = {
-    "relative_bias": dict(positions="relative_bias", relative_bias_per_layer=True),
+    "relative_bias": dict(positions="relative_bias", relative_bias_per_layer=True, attention="hyla"),
     "relative_bias_tied": dict(positions="relative_bias", relative_bias_per_layer=True, tied_embeddings=True),
     "rope_by_product": dict(positions="rotary", rope_by_product=True),  # as configs/c4_50m.py
-    "learned_softmax": dict(positions="learned", attention="softmax"),
+    "learned": dict(positions="learned"),
+    "remat_block_tied": dict(positions="rotary", rope_by_product=True, remat="block", tied_embeddings=True),
 }
 
 
 @pytest.mark.parametrize("case", list(_ROUNDING_CASES))
 def test_parameters_rounded_before_use_change_no_number(case):
-  """What `rounded_before_use` marks, rounded to bfloat16 before a bfloat16 model, gives the same outputs
-  and gradients to the bit: the model rounds them itself. Rounding the others too changes numbers: the
-  relative-position tables (the outputs), a tied embedding's gradient, and with rope_by_product the
-  gradients of the q and k projections, each used in two products."""
+  """What `rounding.rounded_before_use` reads off the model as used once, rounded, rounded to bfloat16
+  before a bfloat16 model gives the same outputs and gradients to the bit: the model rounds them itself.
+  It leaves out the relative-position tables (added to float32 scores), a tied embedding (the lookup and
+  the readout) and with rope_by_product the q and k projections (each in two products), and rounding
+  those too changes numbers: the outputs, the embedding's gradient, the projections' gradients."""
   kw = {
-      **dict(V=50, D=32, H=4, L=2, F=64, attention="hyla", dtype="bfloat16", projection_bias=True),
+      **dict(V=50, D=32, H=4, L=2, F=64, attention="softmax", dtype="bfloat16", projection_bias=True),
       **_ROUNDING_CASES[case]
   }
   tied, twice = kw.get("tied_embeddings", False), kw.get("rope_by_product", False)
   m, params, tokens_bt = _model(**kw)
   params = nn.meta.unbox(params)
-  marked = model_lib.rounded_before_use(m.cfg, params)
-  attn = marked["block_0"]["attn"]
-  assert marked["embed"] != tied and attn["wv"] and not marked["block_0"]["ln_attn"]["scale"]
-  assert attn["wq"] == attn["wk"] == attn["bq"] == attn["bk"] == (not twice)
-  assert not marked.get("relative_bias_0", False)
+  marked = rounding.rounded_before_use(lambda p, t: jnp.sum(m.apply({"params": p}, t)**2), jnp.bfloat16,
+                                       params, tokens_bt)
+  for i in range(2):
+    attn, mlp = marked[f"block_{i}"]["attn"], marked[f"block_{i}"]["mlp"]
+    assert marked["embed"] != tied and attn["wv"] and attn["bo"] and mlp["wi"] and mlp["bi"]
+    assert not marked[f"block_{i}"]["ln_attn"]["scale"] and not marked.get(f"relative_bias_{i}", False)
+    assert attn["wq"] == attn["wk"] == attn["bq"] == attn["bk"] == (not twice)
   ref, ref_grads = _output_and_grads(m, params, tokens_bt)
   rounded = jax.tree.map(lambda p, r: p.astype(jnp.bfloat16) if r else p, params, marked)
   out, grads = _output_and_grads(m, rounded, tokens_bt)
   np.testing.assert_array_equal(out, ref)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a.astype(jnp.float32), b), grads, ref_grads)
+  if case == "learned":
+    return
   every_out, every_grads = _output_and_grads(
       m, jax.tree.map(lambda p: p.astype(jnp.bfloat16) if p.ndim >= 2 else p, params), tokens_bt)
   differs = lambda a, b: np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max() > 0
