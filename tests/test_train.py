@@ -14,7 +14,8 @@ from small import FAST_CPU_COMPILE, small_config, xla_flags
 
 from configs import tiny
 from data_pipelines import pipeline, sources
-from lm import attention, checkpointing, cli, run_log, train
+from eval import sample as eval_sample
+from lm import attention, checkpointing, cli, decode, run_log, train
 from lm.experiment import Experiment
 
 
@@ -304,6 +305,15 @@ def test_cpu_devices_split_the_host_and_a_run_resumes_on_another_count(small_cor
   # The analysis tools read the parameters whole in this process (one device), saved on 4 in shards.
   config, params = checkpointing.load(str(tmp_path / "run"))
   assert config.cpu_devices == 2 and params["embed"].shape == (320, 32)
+  # lm-sample on 4 devices restores the split state in its shards and decodes what one device does.
+  decoded = subprocess.run([
+      sys.executable, "-m", "eval.sample", f"--workdir={tmp_path / 'run'}", "--prompt=the quick brown",
+      "--max_new_tokens=8", "--temperature=0"
+  ], capture_output=True, text=True, env=env, timeout=300)
+  assert decoded.returncode == 0, decoded.stderr[-3000:]
+  one = eval_sample.sample(str(tmp_path / "run"), "the quick brown", max_new_tokens=8,
+                           sampling=decode.Sampling(temperature=0))
+  assert decoded.stdout == f"--- sample 0 ---\n{one[0]}\n"
   # And back: the split save resumes with the state whole on every device.
   whole = subprocess.run([*cmd, "--config.train.steps=8"], capture_output=True, text=True, env=env,
                          timeout=300)
