@@ -34,6 +34,17 @@ def _inputs(B=2, T=T, H=3, K=4, seed=0):
   return q, k, v, bias_1hqk, cotangent
 
 
+def _out_and_grads(f, args, cotangent):
+  """f(*args) and its pullback of `cotangent`, compiled as one program: op by op, each operation of the
+  definition, and of a kernel that Pallas interprets, compiles on its own (most of these tests' time)."""
+
+  def run(args, cotangent):
+    out, pull = jax.vjp(f, *args)
+    return out, pull(cotangent)
+
+  return jax.jit(run)(args, cotangent)
+
+
 def _assert_same(impl_fn, knobs, *, segment_ids, bias, causal=True, rtol=2e-4, dropout_rate=0.0):
   """impl_fn(q, k, v, bias, **kw) equals the reference in its output and in its pullback of a random
   cotangent with respect to q, k, v (and the bias); with dropout, under the same rng."""
@@ -44,10 +55,10 @@ def _assert_same(impl_fn, knobs, *, segment_ids, bias, causal=True, rtol=2e-4, d
   bias = bias_1hqk if bias else None
   reference = lambda q, k, v, b: attention.attend(q, k, v, **kw, bias=b)
   fast = lambda q, k, v, b: impl_fn(q, k, v, **kw, bias=b)
-  out_ref, pull_ref = jax.vjp(reference, q, k, v, bias)
-  out, pull = jax.vjp(fast, q, k, v, bias)
+  out_ref, grads_ref = _out_and_grads(reference, (q, k, v, bias), cotangent)
+  out, grads = _out_and_grads(fast, (q, k, v, bias), cotangent)
   np.testing.assert_allclose(out, out_ref, rtol=rtol, atol=rtol * np.abs(out_ref).max())
-  for name, g, g_ref in zip(("dq", "dk", "dv", "dbias"), pull(cotangent), pull_ref(cotangent)):
+  for name, g, g_ref in zip(("dq", "dk", "dv", "dbias"), grads, grads_ref):
     if g_ref is not None:
       np.testing.assert_allclose(g, g_ref, rtol=rtol, atol=rtol * np.abs(g_ref).max(), err_msg=name)
 
@@ -163,9 +174,9 @@ def test_splash_equals_reference_in_interpret_mode(causal):
                                                            interpret=True)
   reference = lambda q, k, v: attention.attend(q, k, v, **attention.preset("softmax"), causal=causal,
                                                segment_ids=segment_ids)
-  (out, pull), (out_ref, pull_ref) = (jax.vjp(f, q, k, v) for f in (splash, reference))
+  (out, grads), (out_ref, grads_ref) = (_out_and_grads(f, (q, k, v), cotangent) for f in (splash, reference))
   np.testing.assert_allclose(out, out_ref, rtol=1e-4, atol=1e-5)
-  for name, g, g_ref in zip(("dq", "dk", "dv"), pull(cotangent), pull_ref(cotangent)):
+  for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
@@ -181,10 +192,10 @@ def test_pallas_linear_equals_reference_in_interpret_mode(T, causal, segments, t
                                                                  segment_ids, interpret=True)
   reference = lambda q, k, v: attention.attend(q, k, v, **attention.preset("linear"), causal=causal,
                                                segment_ids=segment_ids)
-  (out, pull), (out_ref, pull_ref) = (jax.vjp(f, q, k, v) for f in (kernel, reference))
+  (out, grads), (out_ref, grads_ref) = (_out_and_grads(f, (q, k, v), cotangent) for f in (kernel, reference))
   assert attention_linear.visible_tiles(T, causal) == tiles
   np.testing.assert_allclose(out, out_ref, rtol=1e-4, atol=1e-5 * np.abs(out_ref).max())
-  for name, g, g_ref in zip(("dq", "dk", "dv"), pull(cotangent), pull_ref(cotangent)):
+  for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5 * np.abs(g_ref).max(), err_msg=name)
 
 
@@ -215,12 +226,12 @@ def test_pallas_hypernetwork_equals_reference_in_interpret_mode(preset, causal, 
       q, k, v, knobs=knobs, causal=causal, segment_ids=segment_ids, interpret=True, keep_z=keep_z)
   reference = lambda q, k, v: attention.attend(q, k, v, **attention.preset(preset), causal=causal, segment_ids
                                                =segment_ids)
-  (out, pull), (out_ref, pull_ref) = (jax.vjp(f, q, k, v) for f in (kernel, reference))
+  pull = jax.eval_shape(lambda q, k, v: jax.vjp(kernel, q, k, v)[1], q, k, v)
   kept = [x for x in jax.tree.leaves(pull) if x.ndim == 5]  # [rows, tiles, BQ, d, BK]
   assert [x.shape[:2] for x in kept] == ([(2, 3 if causal else 4)] if keep_z else [])
-  grads = pull(cotangent)
+  (out, grads), (out_ref, grads_ref) = (_out_and_grads(f, (q, k, v), cotangent) for f in (kernel, reference))
   np.testing.assert_allclose(out, out_ref, rtol=1e-4, atol=1e-4 * np.abs(out_ref).max())
-  for name, g, g_ref in zip(("dq", "dk", "dv"), grads, pull_ref(cotangent)):
+  for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4 * np.abs(g_ref).max(), err_msg=name)
 
 
@@ -243,14 +254,20 @@ def test_pallas_kernels_on_each_device_of_a_mesh():
       }
       mesh = Mesh(np.asarray(jax.devices()).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
       put = lambda x: jax.device_put(x, NamedSharding(mesh, P(sharding.BATCH, None, "tensor")))
+
+      def out_and_grads(f, q, k, v, g):  # compiled: op by op, each operation compiles on its own
+        def run(q, k, v, g):
+          out, pull = jax.vjp(f, q, k, v)
+          return out, pull(g)
+        return jax.jit(run)(q, k, v, g)
+
       for preset, kernel in kernels.items():
         reference = lambda q, k, v: attention.attend(q, k, v, **attention.preset(preset), segment_ids=seg)
-        want = jax.vjp(reference, q, k, v)
+        want = out_and_grads(reference, q, k, v, g)
         with jax.set_mesh(mesh):
-          out, pull = jax.vjp(kernel, put(q), put(k), put(v))
-          grads = pull(put(g))
+          out, grads = out_and_grads(kernel, put(q), put(k), put(v), put(g))
         np.testing.assert_allclose(out, want[0], rtol=1e-4, atol=1e-5, err_msg=preset)
-        for a, b in zip(grads, want[1](g)):
+        for a, b in zip(grads, want[1]):
           np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=preset)
       print("equal")
       """)
@@ -301,12 +318,13 @@ def test_pallas_hypernetwork_whole_tiles_in_bfloat16(keep_z):
 def _assert_bfloat16_as_close_as_the_reference(kernel, reference, qkv, cotangent):
   """kernel's outputs and gradients, from bfloat16 inputs, come back in bfloat16 and are as close to the
   float32 reference as the reference computed in bfloat16 (up to half as far again)."""
-  out_exact, pull_exact = jax.vjp(reference, *qkv)
-  exact = (out_exact, *pull_exact(cotangent))
+  out_exact, grads_exact = _out_and_grads(reference, qkv, cotangent)
+  exact = (out_exact, *grads_exact)
 
   def errors(fn):
-    out, pull = jax.vjp(fn, *(x.astype(jnp.bfloat16) for x in qkv))
-    values = (out, *pull(cotangent.astype(jnp.bfloat16)))
+    out, grads = _out_and_grads(fn, tuple(x.astype(jnp.bfloat16) for x in qkv),
+                                cotangent.astype(jnp.bfloat16))
+    values = (out, *grads)
     assert all(x.dtype == jnp.bfloat16 for x in values)
     return [np.abs(np.asarray(x, np.float32) - e).max() / np.abs(e).max() for x, e in zip(values, exact)]
 
@@ -484,11 +502,11 @@ def test_blocked_hypernetwork_pullback_in_bfloat16(preset):
   q, k, v, _, cotangent = _inputs()
   kw = dict(**attention.preset(preset), segment_ids=SEGMENTS_BT)
   reference = lambda q, k, v: attention.attend(q, k, v, **kw)
-  exact = jax.vjp(reference, q, k, v)[1](cotangent)
+  exact = _out_and_grads(reference, (q, k, v), cotangent)[1]
 
   def errors(fn):
-    out, pull = jax.vjp(fn, *(x.astype(jnp.bfloat16) for x in (q, k, v)))
-    grads = pull(cotangent.astype(jnp.bfloat16))
+    out, grads = _out_and_grads(fn, tuple(x.astype(jnp.bfloat16) for x in (q, k, v)),
+                                cotangent.astype(jnp.bfloat16))
     assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
     return [np.abs(np.asarray(g, np.float32) - e).max() / np.abs(e).max() for g, e in zip(grads, exact)]
 
@@ -531,9 +549,11 @@ def test_model_dropout_takes_the_fast_kernel_with_the_reference_mask(preset):
                                 attention_dropout=0.2)
     m = model_lib.Transformer(cfg)
     params = m.init(jax.random.key(1), tokens_bt)
-    run = lambda p, d: m.apply(p, tokens_bt, segment_ids_bt=SEGMENTS_BT[:, :12], deterministic=d, rngs=
-                               {"dropout": jax.random.key(2)})
-    outs.append(jax.value_and_grad(lambda p: run(p, False).sum())(params))
+    # Compiled, not op by op: eagerly every operation of the model compiles on its own.
+    run = jax.jit(
+        lambda p, d: m.apply(p, tokens_bt, segment_ids_bt=SEGMENTS_BT[:, :12], deterministic=d, rngs=
+                             {"dropout": jax.random.key(2)}), static_argnums=1)
+    outs.append(jax.jit(jax.value_and_grad(lambda p: run(p, False).sum()))(params))
     assert not np.allclose(run(params, False), run(params, True))
   (auto, g_auto), (ref, g_ref) = outs
   np.testing.assert_allclose(auto, ref, rtol=1e-4)
@@ -546,7 +566,7 @@ def test_training_with_dropout_never_forms_sequence_squared_tensors():
   cfg = model_lib.ModelConfig(V=16, D=16, H=2, L=1, F=32, attention="hyla", attention_dropout=0.1)
   tokens_bt = jnp.zeros((1, 300), jnp.int32)
   m = model_lib.Transformer(cfg)
-  params = m.init(jax.random.key(1), tokens_bt[:, :8])
+  params = jax.eval_shape(m.init, jax.random.key(1), tokens_bt[:, :8])
   loss = lambda p: m.apply(p, tokens_bt, deterministic=False, rngs={"dropout": jax.random.key(2)}).sum()
   shapes = list(_shapes(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
   assert not [s for s in shapes if sum(d in (300, 320) for d in s) >= 2]

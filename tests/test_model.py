@@ -17,7 +17,8 @@ def _model(**kw):
   cfg = model_lib.ModelConfig(**{"V": 50, "D": 32, "H": 4, "L": 2, "F": 64, **kw})
   m = model_lib.Transformer(cfg)
   tokens_bt = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.V)
-  return m, m.init(jax.random.key(1), tokens_bt)["params"], tokens_bt
+  # Compiled: op by op, each of the initialisers' operations compiles on its own.
+  return m, jax.jit(m.init)(jax.random.key(1), tokens_bt)["params"], tokens_bt
 
 
 def _output_and_grads(model, params, tokens_bt):
@@ -56,8 +57,14 @@ def test_packed_documents_do_not_see_each_other(positions):
   np.testing.assert_allclose(run(tokens_bt)[:, 5:], alone, rtol=1e-4, atol=1e-4)
 
 
+def _param_shapes(**kw):
+  """The parameters _model(**kw) creates, as shapes: traced, not run."""
+  m = model_lib.Transformer(model_lib.ModelConfig(**{"V": 50, "D": 32, "H": 4, "L": 2, "F": 64, **kw}))
+  return jax.eval_shape(m.init, jax.random.key(1), jnp.zeros((2, 12), jnp.int32))["params"]
+
+
 def test_variants_have_identical_parameter_counts():
-  counts = {name: model_lib.count_params(_model(attention=name)[1]) for name in attention.PRESETS}
+  counts = {name: model_lib.count_params(_param_shapes(attention=name)) for name in attention.PRESETS}
   assert len(set(counts.values())) == 1, counts
   D, L, F, V = 32, 2, 64, 50
   per_block = 4 * D * D + 2 * D * F + 2 * 2 * D  # q,k,v,o; MLP; two LayerNorms
@@ -65,8 +72,8 @@ def test_variants_have_identical_parameter_counts():
 
 
 def test_tied_embeddings_drop_the_output_matrix():
-  untied = model_lib.count_params(_model()[1])
-  tied = model_lib.count_params(_model(tied_embeddings=True)[1])
+  untied = model_lib.count_params(_param_shapes())
+  tied = model_lib.count_params(_param_shapes(tied_embeddings=True))
   assert untied - tied == 32 * 50
 
 
