@@ -13,10 +13,13 @@ from jax.extend import core as jax_core
 from lm import attention, checkpointing, cross_entropy, flops, model as model_lib, rounding
 
 
+def _transformer(**kw) -> model_lib.Transformer:
+  return model_lib.Transformer(model_lib.ModelConfig(**{"V": 50, "D": 32, "H": 4, "L": 2, "F": 64, **kw}))
+
+
 def _model(**kw):
-  cfg = model_lib.ModelConfig(**{"V": 50, "D": 32, "H": 4, "L": 2, "F": 64, **kw})
-  m = model_lib.Transformer(cfg)
-  tokens_bt = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.V)
+  m = _transformer(**kw)
+  tokens_bt = jax.random.randint(jax.random.key(0), (2, 12), 0, m.cfg.V)
   # Compiled: op by op, each of the initialisers' operations compiles on its own.
   return m, jax.jit(m.init)(jax.random.key(1), tokens_bt)["params"], tokens_bt
 
@@ -59,8 +62,7 @@ def test_packed_documents_do_not_see_each_other(positions):
 
 def _param_shapes(**kw):
   """The parameters _model(**kw) creates, as shapes: traced, not run."""
-  m = model_lib.Transformer(model_lib.ModelConfig(**{"V": 50, "D": 32, "H": 4, "L": 2, "F": 64, **kw}))
-  return jax.eval_shape(m.init, jax.random.key(1), jnp.zeros((2, 12), jnp.int32))["params"]
+  return jax.eval_shape(_transformer(**kw).init, jax.random.key(1), jnp.zeros((2, 12), jnp.int32))["params"]
 
 
 def test_variants_have_identical_parameter_counts():
