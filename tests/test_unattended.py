@@ -114,6 +114,10 @@ def test_wandb_gets_every_number_and_a_restart_continues_the_run(tmp_path):
     tee.write(step, "train", {"loss": step / 10, "note": "not a number"})
     tee.close()
     assert log.records == [(step, "train", {"loss": step / 10, "note": "not a number"})] and log.closed
+  # finish() only asks W&B's service to close a run's file; the service writes the rest of it
+  # when it shuts down, as it does when the training process exits.
+  import wandb  # pylint: disable=import-outside-toplevel
+  wandb.teardown()
   run_id = (workdir / "wandb_run_id").read_text()
   # In the order written: the run directories' names carry the start time in whole seconds only.
   files = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb")), key=os.path.getmtime)
