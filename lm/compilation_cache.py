@@ -3,6 +3,10 @@ instead of compiling them again. Entries are keyed by the program, the devices a
 so a cache is safe to share between runs; only compilations over a second are stored (JAX's default).
 """
 
+import contextlib
+from collections.abc import Iterator
+
+import jax
 from etils import epath
 from jax.experimental.compilation_cache import compilation_cache
 
@@ -20,3 +24,15 @@ def enable(setting: str, workdir: epath.Path) -> str | None:
   path = None if setting == OFF else setting or str(workdir / "compilation_cache")
   compilation_cache.set_cache_dir(path)
   return path
+
+
+@contextlib.contextmanager
+def enabled(setting: str, workdir: epath.Path) -> Iterator[str | None]:
+  """`enable` for the duration of a run, then the process's cache as it was: JAX's cache is global to
+  the process, and later compilations here (a test, a notebook) must not write into a finished run's
+  workdir."""
+  before = jax.config.jax_compilation_cache_dir
+  try:
+    yield enable(setting, workdir)
+  finally:
+    enable(before or OFF, workdir)

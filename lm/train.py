@@ -123,8 +123,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   Mistakes in the config, the data or the workdir raise ValueError or FileNotFoundError, before
   anything is trained, with a message that names the fix."""
   workdir = epath.Path(workdir)
+  with compilation_cache.enabled(config.compilation_cache, workdir):
+    return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path) -> dict:
   clock = goodput.Clock()
-  compilation_cache.enable(config.compilation_cache, workdir)
   exp, data, ckpt = _setup(config, workdir)
   is_main = jax.process_index() == 0
   seq_len, steps = exp.task.seq_len, config.train.steps

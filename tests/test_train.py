@@ -21,6 +21,7 @@ from lm.experiment import Experiment
 
 def test_training_lowers_validation_loss_and_logs(small_corpus, tmp_path, capsys):
   c = small_config(small_corpus)
+  cache = jax.config.jax_compilation_cache_dir
   final = train.train_and_evaluate(c, str(tmp_path))
   out = capsys.readouterr().out
   assert "step 40/40 | loss" in out and "tok/s | MFU " in out and "% | ETA" in out
@@ -35,6 +36,7 @@ def test_training_lowers_validation_loss_and_logs(small_corpus, tmp_path, capsys
   assert final["validation"]["perplexity"] < 0.7 * unigram
   assert final["validation"]["tokens"] == evals[-1]["tokens"] > 0
   assert json.loads((tmp_path / "config.json").read_text())["model"]["V"] == 320
+  assert jax.config.jax_compilation_cache_dir == cache != c.compilation_cache  # the run's is its own
 
 
 @pytest.mark.parametrize("name", list(attention.PRESETS))
@@ -187,8 +189,10 @@ def test_a_microbatch_split_that_does_not_fit_names_the_batch_size():
 
 def test_a_workdir_that_is_a_file_is_refused(tmp_path):
   (tmp_path / "run").write_text("notes")
+  cache = jax.config.jax_compilation_cache_dir
   with pytest.raises(ValueError, match=r"--workdir=.*run is a file; give a directory"):
     train.train_and_evaluate(tiny.get_config(), str(tmp_path / "run"))
+  assert jax.config.jax_compilation_cache_dir == cache  # not left pointing into the file
 
 
 @pytest.mark.parametrize(
