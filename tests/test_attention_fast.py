@@ -1,6 +1,7 @@
 """The fast attention implementations against impl="reference": values, gradients, memory, kernels."""
 
 import itertools
+import os
 import textwrap
 
 import jax
@@ -239,33 +240,29 @@ def test_pallas_kernels_on_each_device_of_a_mesh():
   """Under a mesh of 4 CPU devices (rows over data, heads over tensor), HYLA's and linear attention's
   kernels run on each device's shard (interpret mode; HYLA's gather the heads, linear attention's split
   them) and give the definition's outputs and gradients."""
-  script = textwrap.dedent("""
+  script = textwrap.dedent(f"""
       import jax, jax.numpy as jnp, numpy as np
       from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
       from lm import attention, attention_hypernetwork, attention_linear, sharding
+      import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
+      from test_attention_fast import _out_and_grads
       q, k, v, g = (jax.random.normal(key, (4, 128, 2, 8)) for key in jax.random.split(jax.random.key(6), 4))
       seg = jnp.asarray([[0] * 60 + [1] * 68] * 2 + [[0] * 128] * 2)
-      kernels = {
+      kernels = {{
           "hyla": lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(
               q, k, v, knobs=attention.Knobs(**attention.preset("hyla")), segment_ids=seg,
               batch_axes=sharding.BATCH, interpret=True),
           "linear": lambda q, k, v: attention_linear.attend_pallas_linear(
               q, k, v, segment_ids=seg, batch_axes=sharding.BATCH, interpret=True),
-      }
+      }}
       mesh = Mesh(np.asarray(jax.devices()).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
       put = lambda x: jax.device_put(x, NamedSharding(mesh, P(sharding.BATCH, None, "tensor")))
 
-      def out_and_grads(f, q, k, v, g):  # compiled: op by op, each operation compiles on its own
-        def run(q, k, v, g):
-          out, pull = jax.vjp(f, q, k, v)
-          return out, pull(g)
-        return jax.jit(run)(q, k, v, g)
-
       for preset, kernel in kernels.items():
         reference = lambda q, k, v: attention.attend(q, k, v, **attention.preset(preset), segment_ids=seg)
-        want = out_and_grads(reference, q, k, v, g)
+        want = _out_and_grads(reference, (q, k, v), g)
         with jax.set_mesh(mesh):
-          out, grads = out_and_grads(kernel, put(q), put(k), put(v), put(g))
+          out, grads = _out_and_grads(kernel, (put(q), put(k), put(v)), put(g))
         np.testing.assert_allclose(out, want[0], rtol=1e-4, atol=1e-5, err_msg=preset)
         for a, b in zip(grads, want[1]):
           np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=preset)
