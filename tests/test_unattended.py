@@ -119,8 +119,9 @@ def test_wandb_gets_every_number_and_a_restart_continues_the_run(tmp_path):
   import wandb  # pylint: disable=import-outside-toplevel
   wandb.teardown()
   run_id = (workdir / "wandb_run_id").read_text()
-  # In the order written: the run directories' names carry the start time in whole seconds only.
-  files = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb")), key=os.path.getmtime)
+  # In the order started: a run's directory is offline-run-<start, in whole seconds>-<id>, and W&B
+  # adds -1, -2, ... to the name of a later run that started in the same second.
+  files = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb")), key=os.path.dirname)
   assert [os.path.basename(f) for f in files] == [f"run-{run_id}.wandb"] * 2
   assert [wandb_history(f) for f in files] == [[{
       "step": 12,
