@@ -70,10 +70,12 @@ def cross_entropy_schedule(exp: Experiment, topology: str) -> dict:
   """The readout cross-entropy's kernels as the compiler scheduled them for one chip's tokens of one
   microbatch, counted for every microbatch (as `layers`, which kernel_seconds reads)."""
   cfg, T, microbatches = exp.model_cfg, exp.task.seq_len, exp.config.train.microbatches
+  tokens = chip_rows(exp) // microbatches * T
+  kernels = cross_entropy.tpu_kernels(exp.config.train.cross_entropy_impl, tokens, cfg.V)
   return dict(
-      layers=microbatches,
-      **kernel_schedule.cross_entropy_schedule(tokens=chip_rows(exp) // microbatches * T, width=cfg.D,
-                                               vocab=cfg.V, dtype=cfg.dtype, topology=topology))
+      layers=microbatches, kernels=kernels,
+      **kernel_schedule.cross_entropy_schedule(tokens=tokens, width=cfg.D, vocab=cfg.V, dtype=cfg.dtype,
+                                               topology=topology, kernels=kernels))
 
 
 def kernel_total(schedules: list[dict], field: str) -> float:

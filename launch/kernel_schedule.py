@@ -47,12 +47,15 @@ def schedule(*, impl: str, knobs: dict, rows: int, seq_len: int, heads: int, hea
            causal=causal, segments=segments, topology=topology))
 
 
-def cross_entropy_schedule(*, tokens: int, width: int, vocab: int, dtype: str, topology: str) -> dict:
-  """The readout cross-entropy's kernels (lm/cross_entropy.py) for one chip's `tokens` of a
-  [width, vocab] readout, as `schedule` gives the attention's: per kernel ("forward", "backward"), its
-  name, bundles per grid step, grid steps, cycles and the HBM bytes it declares."""
+def cross_entropy_schedule(*, tokens: int, width: int, vocab: int, dtype: str, topology: str,
+                           kernels: str = "pallas") -> dict:
+  """The readout cross-entropy's kernels (lm/cross_entropy.py; `kernels` "pallas" or
+  "pallas_keep_logits") for one chip's `tokens` of a [width, vocab] readout, as `schedule` gives the
+  attention's: per kernel ("forward", "backward"), its name, bundles per grid step, grid steps, cycles
+  and the HBM bytes it declares."""
   return _in_child(
-      dict(impl="cross_entropy", tokens=tokens, width=width, vocab=vocab, dtype=dtype, topology=topology))
+      dict(impl="cross_entropy", tokens=tokens, width=width, vocab=vocab, dtype=dtype, topology=topology,
+           kernels=kernels))
 
 
 def _in_child(spec: dict) -> dict:
@@ -198,11 +201,13 @@ def _cross_entropy(spec: dict, on_chip, dump: str) -> dict:
   x = jax.ShapeDtypeStruct((1, N, D), jnp.dtype(spec["dtype"]), sharding=on_chip)
   w = jax.ShapeDtypeStruct((D, V), x.dtype, sharding=on_chip)
   targets = jax.ShapeDtypeStruct((1, N), jnp.int32, sharding=on_chip)
-  loss = lambda x, w, targets: cross_entropy.readout_nll(x, w, 1.0, targets, impl="pallas").sum()
+  keep = spec["kernels"] == "pallas_keep_logits"
+  loss = lambda x, w, targets: cross_entropy.readout_nll(x, w, 1.0, targets, impl=spec["kernels"]).sum()
   jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w, targets).compile()
-  declared = cross_entropy.kernel_costs(N, D, V, x.dtype.itemsize)
+  declared = cross_entropy.kernel_costs(N, D, V, x.dtype.itemsize, keep)
   out = {}
-  for kind, (name, steps) in zip(("forward", "backward"), cross_entropy.grid_steps(N, D, V).items()):
+  for kind, (name, steps) in zip(("forward", "backward"),
+                                 cross_entropy.grid_steps(N, D, V, x.dtype.itemsize, keep).items()):
     per_step = bundles(dump, name)
     out[kind] = dict(kernel=name, bundles_per_step=per_step, visible_steps=steps, cycles=per_step * steps,
                      hbm_bytes=declared[name].bytes_accessed, units=units(dump, name))

@@ -6,7 +6,10 @@ vocabulary block by block keeping a running max, sum of exponentials and the tar
 and a backward kernel recomputes each block's logits once to form both gradients, accumulating dw over
 token blocks and dx over vocabulary blocks (dx for a chunk of tokens held on chip). At V = 32,000 the
 logits of a v5e chip's 8,192 tokens are 1 GB in float32, read and written several times per step by the
-"xla" form; the kernels trade that traffic for recomputing the readout's product once more. The
+"xla" form; the kernels trade that traffic for recomputing the readout's product once more.
+"pallas_keep_logits" writes them once, in float32, from the forward kernel and reads them once in the
+backward kernel instead of recomputing them: the same numbers, one product fewer, 4 bytes per token and
+word of memory ("auto" keeps them on TPU up to KEEP_LOGITS_BYTES per device). The
 "fused" one (XLA, CPU's choice) walks the tokens in blocks and forms each block's gradient in the same
 pass as its loss, for the weighted sum of the losses (readout_loss), whose gradient is that sum's.
 """
@@ -23,12 +26,16 @@ from jax.sharding import PartitionSpec as P
 
 from lm import sharding
 
-IMPLS = ("auto", "xla", "pallas", "fused")
+IMPLS = ("auto", "xla", "pallas", "pallas_keep_logits", "fused")
+KERNELS = ("pallas", "pallas_keep_logits")
 LANES = 128
 # Block sizes (tokens; vocabulary: the largest multiple of 128 up to the maximum that divides V). The
 # forward kernel reads all of w once per token block, the backward kernel all of x once per vocabulary
 # block: large blocks on those axes, within VMEM (a [2048, 3200] float32 tile of logits is 26 MB).
-BLOCK_TOKENS, BLOCK_TOKENS_BWD = 2048, 256
+# Backward token blocks of 512: 4.10 ms a step on a v5e chip of c4_50m where 256 took 4.77 (the dw
+# product's contraction over the block's tokens is twice as long). A forward kernel that keeps the
+# logits writes a [1024, 3200] float32 block a step (2,048 tokens overflow its VMEM).
+BLOCK_TOKENS, BLOCK_TOKENS_BWD, BLOCK_TOKENS_KEEP = 2048, 512, 1024
 # Vocabulary blocks of at most MAX_BLOCK_VOCAB words (a [2048, 4096] float32 tile of logits) and
 # BLOCK_VOCAB_ELEMENTS elements of w (so that wider models fit VMEM too; 3,200 words of c4_50m's 32,000
 # at width 512): the forward kernel takes 2.24 ms a step on a v5e chip of c4_50m in blocks of 640
@@ -39,6 +46,10 @@ MAX_BLOCK_VOCAB, BLOCK_VOCAB_ELEMENTS = 4096, 512 * 4096
 # dw, which XLA sums.
 DX_CHUNK_BYTES = 16 * 2**20
 VMEM_LIMIT = 64 * 2**20
+# "auto" on TPU keeps a device's float32 logits from the forward kernel for the backward one (which
+# then forms two products of the readout's size instead of three) up to this size: 1.0 GiB for a v5e
+# chip of c4_50m (8,192 tokens x 32,000 words), 5.24 → 4.59 ms a step by the compiler's schedule.
+KEEP_LOGITS_BYTES = 2 * 2**30
 FORWARD, BACKWARD = "cross_entropy_fwd", "cross_entropy_bwd"  # the kernels' pallas_call names
 # Tokens per step of the fused form's loop: [512, V] float32 logits at a time.
 FUSED_BLOCK = 512
@@ -89,7 +100,7 @@ def readout_loss(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: ja
   check_impl(impl)
   plain = lambda x, w, t, wt, impl="auto": (readout_nll(x, w, scale, t, impl=impl, batch_axes=batch_axes,
                                                         interpret=interpret) * wt).sum()
-  if impl in ("xla", "pallas"):
+  if impl == "xla" or impl in KERNELS:
     return plain(x_btd, w_dv, targets_bt, weights_bt, impl)
   rows = _mesh_rows(batch_axes)[0]
   # One partial sum per device, summed outside: each device's gradient then scales by its own cotangent.
@@ -105,7 +116,8 @@ def readout_nll(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: jax
                 batch_axes: tuple[str, ...] = sharding.BATCH, interpret: bool = False) -> jax.Array:
   """token_nll(scale · x_btd @ w_dv, targets_bt), float32 [B, T]; x and w in the compute dtype. "xla"
   rounds the logits to the compute dtype as the model's forward pass does; the kernels keep them in
-  float32. "auto" takes the kernels when lowering for TPU and the shapes tile, "xla" otherwise. Under a
+  float32. "auto" takes the kernels when lowering for TPU and the shapes tile (keeping the logits when
+  they fit KEEP_LOGITS_BYTES), "xla" otherwise. Under a
   mesh the kernels run on each device's rows (shard_map over the mesh axes in `batch_axes`; w whole on
   every device)."""
   check_impl(impl)
@@ -114,17 +126,27 @@ def readout_nll(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: jax
                      "not each token's")
   rows, shards = _mesh_rows(batch_axes)
   problem = pallas_problem(targets_bt.size // shards, w_dv.shape[1])
-  if impl == "pallas" and problem:
-    raise ValueError(f"train.cross_entropy_impl 'pallas': {problem}; use 'auto' or 'xla'")
+  if impl in KERNELS and problem:
+    raise ValueError(f"train.cross_entropy_impl {impl!r}: {problem}; use 'auto' or 'xla'")
   xla = lambda x, w, t: token_nll(Readout(x, w, scale).logits(), t)
   if impl == "xla" or problem:
     return xla(x_btd, w_dv, targets_bt)
-  kernels = _per_device(functools.partial(_pallas_nll, scale=scale, interpret=interpret), rows,
-                        in_specs=(P(rows), P(), P(rows)), out_specs=P(rows))
-  if impl == "pallas":
-    return kernels(x_btd, w_dv, targets_bt)
+  kernels = lambda keep: _per_device(
+      functools.partial(_pallas_nll, scale=scale, keep=keep, interpret=interpret), rows, in_specs=(P(rows), P(
+      ), P(rows)), out_specs=P(rows))
+  if impl in KERNELS:
+    return kernels(impl == "pallas_keep_logits")(x_btd, w_dv, targets_bt)
+  keep = tpu_kernels(impl, targets_bt.size // shards, w_dv.shape[1]) == "pallas_keep_logits"
   # The platform being lowered for decides, so a step compiled for TPU on a CPU host gets the kernels.
-  return jax.lax.platform_dependent(x_btd, w_dv, targets_bt, tpu=kernels, default=xla)
+  return jax.lax.platform_dependent(x_btd, w_dv, targets_bt, tpu=kernels(keep), default=xla)
+
+
+def tpu_kernels(impl: str, tokens: int, V: int) -> str:
+  """Which kernels `impl` runs on TPU for `tokens` rows per device of a V-word readout: "pallas" or
+  "pallas_keep_logits" ("auto" keeps the logits up to KEEP_LOGITS_BYTES)."""
+  if impl in KERNELS:
+    return impl
+  return "pallas_keep_logits" if 4 * tokens * V <= KEEP_LOGITS_BYTES else "pallas"
 
 
 def check_impl(impl: str) -> None:
@@ -199,9 +221,9 @@ def _fused_bwd(scale, residuals, g):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _pallas_nll(x_btd, w_dv, targets_bt, *, scale, interpret):
+def _pallas_nll(x_btd, w_dv, targets_bt, *, scale, keep, interpret):
   B, T, D = x_btd.shape
-  return _nll(x_btd.reshape(B * T, D), w_dv, targets_bt.reshape(B * T), scale, interpret).reshape(B, T)
+  return _nll(x_btd.reshape(B * T, D), w_dv, targets_bt.reshape(B * T), scale, keep, interpret).reshape(B, T)
 
 
 # Per-token values travel as rows of one [8, N] float32 array (a token's values down a column: 8 x 4
@@ -224,8 +246,10 @@ def _is_target(columns, j, bn, bv):
                                             (bn, bv), 1)) == columns[:, TARGET:TARGET + 1].astype(jnp.int32)
 
 
-def _forward_kernel(x_ref, w_ref, rows_ref, out_ref, m_ref, l_ref, t_ref, *, scale):
-  """out[:, 0] = nll, out[:, 1] = log-sum-exp; running max, sum and target logit over vocabulary blocks j."""
+def _forward_kernel(x_ref, w_ref, rows_ref, out_ref, *refs, scale, keep):
+  """out[:, 0] = nll, out[:, 1] = log-sum-exp; running max, sum and target logit over vocabulary blocks j.
+  With `keep`, each block's logits are written too, for the backward kernel to read."""
+  logits_ref, (m_ref, l_ref, t_ref) = (refs[0], refs[1:]) if keep else (None, refs)
   j, bn, bv = pl.program_id(1), x_ref.shape[0], w_ref.shape[1]
 
   @pl.when(j == 0)
@@ -235,6 +259,8 @@ def _forward_kernel(x_ref, w_ref, rows_ref, out_ref, m_ref, l_ref, t_ref, *, sca
     t_ref[...] = jnp.zeros(t_ref.shape, jnp.float32)
 
   logits = _logits(x_ref, w_ref, scale)
+  if keep:
+    logits_ref[...] = logits
   m_old = m_ref[:, :1]
   m_new = jnp.maximum(m_old, logits.max(axis=1, keepdims=True))
   l_new = l_ref[:, :1] * jnp.exp(m_old - m_new) + jnp.exp(logits - m_new).sum(axis=1, keepdims=True)
@@ -249,21 +275,23 @@ def _forward_kernel(x_ref, w_ref, rows_ref, out_ref, m_ref, l_ref, t_ref, *, sca
     out_ref[...] = jnp.where(lane == 0, lse - t_ref[...], lse)
 
 
-def _dlogits(x_ref, w_ref, rows_ref, j, scale):
-  """d loss / d (x @ w) for one block, in the compute dtype for the matrix unit."""
-  logits = _logits(x_ref, w_ref, scale)
+def _dlogits(logits, rows_ref, j, dtype):
+  """d loss / d (x @ w) for one block of logits, in the compute dtype for the matrix unit."""
   bn, bv = logits.shape
   columns = _columns(rows_ref)
   p = jnp.exp(logits - columns[:, LSE:LSE + 1]) - _is_target(columns, j, bn, bv).astype(jnp.float32)
-  return (p * columns[:, GRAD:GRAD + 1]).astype(x_ref.dtype)
+  return (p * columns[:, GRAD:GRAD + 1]).astype(dtype)
 
 
-def _backward_kernel(x_ref, w_ref, rows_ref, dx_ref, dw_ref, dx_acc, dw_acc, *, scale):
-  """Both gradients from one block's logits: dw's vocabulary block j summed over the chunk's token blocks
-  i (the inner axis), dx's rows summed over the vocabulary blocks in a chunk-long scratch."""
+def _backward_kernel(x_ref, w_ref, rows_ref, *refs, scale, keep):
+  """Both gradients from one block's logits (recomputed, or read as the forward kernel kept them): dw's
+  vocabulary block j summed over the chunk's token blocks i (the inner axis), dx's rows summed over the
+  vocabulary blocks in a chunk-long scratch."""
+  logits_ref, (dx_ref, dw_ref, dx_acc, dw_acc) = (refs[0], refs[1:]) if keep else (None, refs)
   j, i, bn = pl.program_id(1), pl.program_id(2), x_ref.shape[0]
   rows = pl.ds(pl.multiple_of(i * bn, bn), bn)
-  d = _dlogits(x_ref, w_ref, rows_ref, j, scale)
+  logits = logits_ref[...] if keep else _logits(x_ref, w_ref, scale)
+  d = _dlogits(logits, rows_ref, j, x_ref.dtype)
   dx = jax.lax.dot_general(d, w_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   dw = jax.lax.dot_general(x_ref[...], d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -292,10 +320,12 @@ def _backward_kernel(x_ref, w_ref, rows_ref, dx_ref, dw_ref, dx_acc, dw_acc, *, 
     dx_ref[...] = dx_acc[rows, :].astype(dx_ref.dtype)
 
 
-def _blocks(D: int, V: int) -> dict[str, tuple[int, int]]:
+def _blocks(D: int, V: int, itemsize: int, keep: bool) -> dict[str, tuple[int, int]]:
   """Per kernel, (token block, vocabulary block); the backward kernel's dx chunk is dx_chunk's."""
   bv = block_vocab(V, max(LANES, min(MAX_BLOCK_VOCAB, BLOCK_VOCAB_ELEMENTS // D)))
-  return {FORWARD: (BLOCK_TOKENS, bv), BACKWARD: (BLOCK_TOKENS_BWD, bv)}
+  # Reading kept float32 logits beside float32 x and w blocks overflows VMEM in blocks of 512 tokens.
+  bn_bwd = BLOCK_TOKENS_BWD // 2 if keep and itemsize > 2 else BLOCK_TOKENS_BWD
+  return {FORWARD: (BLOCK_TOKENS_KEEP if keep else BLOCK_TOKENS, bv), BACKWARD: (bn_bwd, bv)}
 
 
 def dx_chunk(N: int, D: int, bn: int) -> int:
@@ -306,73 +336,80 @@ def dx_chunk(N: int, D: int, bn: int) -> int:
              if N % (c * bn) == 0 and (c == 1 or c * bn * D * 4 <= DX_CHUNK_BYTES))
 
 
-def grid_steps(N: int, D: int, V: int) -> dict[str, int]:
+def grid_steps(N: int, D: int, V: int, itemsize: int, keep: bool) -> dict[str, int]:
   """Each kernel's grid steps for N tokens of a [D, V] readout (every step computes a block)."""
-  return {name: (N // bn) * (V // bv) for name, (bn, bv) in _blocks(D, V).items()}
+  return {name: (N // bn) * (V // bv) for name, (bn, bv) in _blocks(D, V, itemsize, keep).items()}
 
 
-def kernel_costs(N: int, D: int, V: int, itemsize: int) -> dict[str, pl.CostEstimate]:
+def kernel_costs(N: int, D: int, V: int, itemsize: int, keep: bool) -> dict[str, pl.CostEstimate]:
   """What each kernel declares to XLA's cost analysis: its products' FLOPs, one exponential per logit,
-  and its HBM traffic (x, w and the per-token rows read once per block of the other side)."""
-  (bn, _), (_, bv) = _blocks(D, V).values()
+  and its HBM traffic (x, w and the per-token rows read once per block of the other side; the float32
+  logits written and read once if kept)."""
+  (bn, _), (bn_bwd, bv) = _blocks(D, V, itemsize, keep).values()
   x, w, rows = N * D * itemsize, D * V * itemsize, 8 * N * 4
-  chunks = N // dx_chunk(N, D, BLOCK_TOKENS_BWD)
+  chunks = N // dx_chunk(N, D, bn_bwd)
   dw = D * V * (itemsize if chunks == 1 else 4 * chunks)
   cost = lambda flops, bytes_accessed: pl.CostEstimate(flops=flops, transcendentals=N * V, bytes_accessed=
                                                        bytes_accessed)
+  logits = 4 * N * V * keep
   return {
-      FORWARD: cost(2 * N * D * V, x + w * (N // bn) + rows + 4 * N * LANES),
-      BACKWARD: cost(6 * N * D * V, (x + rows) * (V // bv) + w + x + dw)
+      FORWARD: cost(2 * N * D * V, x + w * (N // bn) + rows + 4 * N * LANES + logits),
+      BACKWARD: cost((4 if keep else 6) * N * D * V, (x + rows) * (V // bv) + w + x + dw + logits)
   }
 
 
-def _params(N: int, D: int, V: int, itemsize: int, name: str, *semantics: str) -> dict:
+def _params(N: int, D: int, V: int, itemsize: int, keep: bool, name: str, *semantics: str) -> dict:
   return dict(
       compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT),
-      cost_estimate=kernel_costs(N, D, V, itemsize)[name], name=name)
+      cost_estimate=kernel_costs(N, D, V, itemsize, keep)[name], name=name)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _nll(x_nd, w_dv, targets_n, scale, interpret):
-  return _nll_fwd(x_nd, w_dv, targets_n, scale, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _nll(x_nd, w_dv, targets_n, scale, keep, interpret):
+  return _nll_fwd(x_nd, w_dv, targets_n, scale, keep, interpret)[0]
 
 
-def _nll_fwd(x_nd, w_dv, targets_n, scale, interpret):
+def _nll_fwd(x_nd, w_dv, targets_n, scale, keep, interpret):
   (N, D), V = x_nd.shape, w_dv.shape[1]
   rows_8n = jnp.zeros((8, N), jnp.float32).at[TARGET].set(targets_n)
-  bn, bv = _blocks(D, V)[FORWARD]
+  bn, bv = _blocks(D, V, x_nd.dtype.itemsize, keep)[FORWARD]
   in_specs = [
       pl.BlockSpec((bn, D), lambda i, j: (i, 0)),
       pl.BlockSpec((D, bv), lambda i, j: (0, j)),
       pl.BlockSpec((8, bn), lambda i, j: (0, i))
   ]
-  out_nl = jax.ShapeDtypeStruct((N, LANES), jnp.float32)
+  out_specs = [pl.BlockSpec((bn, LANES), lambda i, j: (i, 0))]
+  out_shape = [jax.ShapeDtypeStruct((N, LANES), jnp.float32)]
+  if keep:
+    out_specs.append(pl.BlockSpec((bn, bv), lambda i, j: (i, j)))
+    out_shape.append(jax.ShapeDtypeStruct((N, V), jnp.float32))
   scratch = [pltpu.VMEM((bn, LANES), jnp.float32)] * 3  # running max, sum and target logit
-  call = pl.pallas_call(functools.partial(_forward_kernel, scale=scale), grid=(N // bn, V // bv),
-                        in_specs=in_specs, out_specs=pl.BlockSpec((bn, LANES), lambda i, j: (i, 0)),
-                        out_shape=out_nl, scratch_shapes=scratch, interpret=interpret,
-                        **_params(N, D, V, x_nd.dtype.itemsize, FORWARD, "parallel", "arbitrary"))
-  out = call(x_nd, w_dv, rows_8n)
-  return out[:, 0], (x_nd, w_dv, rows_8n.at[LSE].set(out[:, 1]))
+  call = pl.pallas_call(functools.partial(_forward_kernel, scale=scale,
+                                          keep=keep), grid=(N // bn, V // bv), in_specs=in_specs,
+                        out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch, interpret=interpret,
+                        **_params(N, D, V, x_nd.dtype.itemsize, keep, FORWARD, "parallel", "arbitrary"))
+  out, *logits_nv = call(x_nd, w_dv, rows_8n)
+  return out[:, 0], (x_nd, w_dv, rows_8n.at[LSE].set(out[:, 1]), *logits_nv)
 
 
-def _nll_bwd(scale, interpret, residuals, g_n):
-  x_nd, w_dv, rows_8n = residuals
+def _nll_bwd(scale, keep, interpret, residuals, g_n):
+  x_nd, w_dv, rows_8n, *logits_nv = residuals
   (N, D), V = x_nd.shape, w_dv.shape[1]
   rows_8n = rows_8n.at[GRAD].set(g_n.astype(jnp.float32) * scale)
-  bn, bv = _blocks(D, V)[BACKWARD]
+  bn, bv = _blocks(D, V, x_nd.dtype.itemsize, keep)[BACKWARD]
   chunk = dx_chunk(N, D, bn)
   C, nv, ni = N // chunk, V // bv, chunk // bn
   # One chunk's dw is the gradient, in w's dtype; several give float32 partials to sum.
   dw_dtype = w_dv.dtype if C == 1 else jnp.float32
   token = lambda c, i: c * ni + i
+  logits_spec = [pl.BlockSpec((bn, bv), lambda c, j, i: (token(c, i), j))] * keep
   dx, dw = pl.pallas_call(
-      functools.partial(_backward_kernel, scale=scale),
+      functools.partial(_backward_kernel, scale=scale, keep=keep),
       grid=(C, nv, ni),
       in_specs=[
           pl.BlockSpec((bn, D), lambda c, j, i: (token(c, i), 0)),
           pl.BlockSpec((D, bv), lambda c, j, i: (0, j)),
-          pl.BlockSpec((8, bn), lambda c, j, i: (0, token(c, i)))
+          pl.BlockSpec((8, bn), lambda c, j, i: (0, token(c, i))), *logits_spec
       ],
       # dx's block stays put until the last vocabulary block has written it, so each is stored once.
       out_specs=[
@@ -384,8 +421,8 @@ def _nll_bwd(scale, interpret, residuals, g_n):
       scratch_shapes=[pltpu.VMEM((chunk, D), jnp.float32),
                       pltpu.VMEM((D, bv), jnp.float32)],
       interpret=interpret,
-      **_params(N, D, V, x_nd.dtype.itemsize, BACKWARD, "parallel", "arbitrary", "arbitrary"))(x_nd, w_dv,
-                                                                                               rows_8n)
+      **_params(N, D, V, x_nd.dtype.itemsize, keep, BACKWARD, "parallel", "arbitrary",
+                "arbitrary"))(x_nd, w_dv, rows_8n, *logits_nv)
   return dx, dw[0] if C == 1 else dw.sum(0).astype(w_dv.dtype), None
 
 

@@ -41,17 +41,17 @@ def test_token_nll_is_log_softmax_at_the_target():
   np.testing.assert_allclose(cross_entropy.token_nll(logits, targets), want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "pallas_keep_logits"])
 @pytest.mark.parametrize("scale,chunks", [(1.0, 1), (0.125, 4)])
-def test_kernels_equal_the_plain_form_in_float32(scale, chunks, monkeypatch):
+def test_kernels_equal_the_plain_form_in_float32(impl, scale, chunks, monkeypatch):
   """With the backward kernel's dx in one chunk of the 4,096 tokens or in 4 (whose partial dw are summed),
-  over two vocabulary blocks in both kernels."""
+  over two vocabulary blocks in both kernels; the logits recomputed or kept from the forward kernel."""
   monkeypatch.setattr(cross_entropy, "BLOCK_VOCAB_ELEMENTS", D * 1024)
   monkeypatch.setattr(cross_entropy, "DX_CHUNK_BYTES", B * T * D * 4 // chunks)
   assert cross_entropy.dx_chunk(B * T, D, cross_entropy.BLOCK_TOKENS_BWD) == B * T // chunks
   problem = _problem()
-  (loss, (dx, dw)), (want_loss,
-                     (want_dx,
-                      want_dw)) = (_loss_and_grads(impl, scale, *problem) for impl in ("pallas", "xla"))
+  (loss, (dx, dw)), (want_loss, (want_dx,
+                                 want_dw)) = (_loss_and_grads(i, scale, *problem) for i in (impl, "xla"))
   assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
   np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-6)
   np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-5)
@@ -86,6 +86,18 @@ def test_the_fused_form_in_bfloat16_is_as_close_to_float32_as_the_plain_form():
     assert error(ours, e) < 0.01 and error(ours, e) <= error(theirs, e)
 
 
+def test_kept_logits_give_the_numbers_of_recomputed_ones():
+  """The backward kernel reading the forward kernel's float32 logits computes what it computes when it
+  forms them again, to float32's rounding of the readout's product (the two kernels take it in blocks
+  of different sizes): in float32, 100 times closer than either is to the plain form (test above)."""
+  (loss,
+   grads), (want,
+            want_grads) = (_loss_and_grads(i, 0.5, *_problem()) for i in ("pallas_keep_logits", "pallas"))
+  assert float(loss) == pytest.approx(float(want), rel=1e-7)
+  for a, b in zip(grads, want_grads):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
+
+
 def test_kernels_in_bfloat16_keep_the_logits_in_float32():
   """With bfloat16 inputs the kernels are closer to the float32 loss than the plain form, which rounds
   the logits to bfloat16 as the model's forward pass does."""
@@ -101,10 +113,13 @@ def test_kernels_in_bfloat16_keep_the_logits_in_float32():
 
 
 @pytest.mark.parametrize("impl, tokens, V, message", [
-    ("fast", 2048, 256, "unknown train.cross_entropy_impl 'fast'; choose one of: auto, xla, pallas, fused"),
+    ("fast", 2048, 256,
+     "unknown train.cross_entropy_impl 'fast'; choose one of: auto, xla, pallas, pallas_keep_logits, fused"),
     ("fused", 2048, 256, "'fused' gives the weighted sum of the losses (readout_loss), not each token's"),
     ("pallas", 2048, 300, "the vocabulary (300) is not a multiple of 128"),
     ("pallas", 1024, 256, "the tokens per device (1024) are not a multiple of 2048"),
+    ("pallas_keep_logits", 1024, 256,
+     "'pallas_keep_logits': the tokens per device (1024) are not a multiple"),
 ])
 def test_what_the_kernels_cannot_take_fails_clearly(impl, tokens, V, message):
   with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -135,7 +150,7 @@ def test_kernels_and_the_fused_form_under_a_mesh_sum_the_readouts_gradient_over_
       want = _loss_and_grads("xla", 0.5, x, w, y, weights)
       mesh = Mesh(np.asarray(jax.devices()).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
       rows = NamedSharding(mesh, P(("data", "fsdp")))
-      for impl in ("pallas", "fused"):
+      for impl in ("pallas", "pallas_keep_logits", "fused"):
         with jax.set_mesh(mesh):
           got = _loss_and_grads(impl, 0.5, jax.device_put(x, rows), w, jax.device_put(y, rows),
                                 jax.device_put(weights, rows))
@@ -148,11 +163,14 @@ def test_kernels_and_the_fused_form_under_a_mesh_sum_the_readouts_gradient_over_
   assert result.stdout.strip().endswith("equal"), result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("rows,D", [(8, 256), (32, 1024)])
-def test_auto_compiles_the_kernels_for_tpu(v5e_2x2, rows, D):
+@pytest.mark.parametrize("rows,D,keep", [(8, 256, False), (32, 1024, True)])
+def test_auto_compiles_the_kernels_for_tpu(v5e_2x2, rows, D, keep, monkeypatch):
   """Under impl auto, a step lowered for a v5e mesh (rows sharded over 4 chips) runs the forward and the
-  backward kernel, and compiles within the chip's VMEM: 2,048 tokens a chip of width 256, and 8,192 of
-  width 1,024, whose dx the backward kernel holds in two chunks."""
+  backward kernel, and compiles within the chip's VMEM: 2,048 tokens a chip of width 256 with the logits
+  over the size kept (so recomputed), and 8,192 of width 1,024, whose 1 GB of float32 logits are kept
+  and whose dx the backward kernel holds in two chunks."""
+  if not keep:
+    monkeypatch.setattr(cross_entropy, "KEEP_LOGITS_BYTES", 4 * 2048 * 32_000 - 1)
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   mesh = Mesh(np.asarray(v5e_2x2.devices).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
   batch = NamedSharding(mesh, P(("data", "fsdp")))
@@ -166,4 +184,5 @@ def test_auto_compiles_the_kernels_for_tpu(v5e_2x2, rows, D):
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w, y)
   text = lowered.as_text()
   assert all(name in text for name in ("cross_entropy_fwd", "cross_entropy_bwd"))
+  assert (f"{rows // 4 * 1024}x32000xf32" in text) == keep
   assert lowered.compile() is not None
