@@ -102,11 +102,12 @@ def attend_pallas_hypernetwork(q: jax.Array, k: jax.Array, v: jax.Array, *, knob
 
 
 def _attend(q, k, v, segment_ids, *, static):
-  # Kernel layout: heads before positions; v transposed so that keys are the minor (lane) axis.
-  q_bhtd, k_bhtd = (jnp.swapaxes(x, 1, 2) for x in (q, k))
-  vt_bhdt = jnp.transpose(v, (0, 2, 3, 1))
+  # Kernel layout: heads before positions; q, k and v transposed so that positions are the minor (lane)
+  # axis: XLA's projections then write them 128 lanes wide, where [.., d] at d = 64 fills half of each
+  # tile's lanes (the forward projections of q and k took twice v's time on a v5e chip).
+  qt_bhdt, kt_bhdt, vt_bhdt = (jnp.transpose(x, (0, 2, 3, 1)) for x in (q, k, v))
   seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-  return jnp.swapaxes(_core(static, q_bhtd, k_bhtd, vt_bhdt, seg), 1, 2)
+  return jnp.swapaxes(_core(static, qt_bhdt, kt_bhdt, vt_bhdt, seg), 1, 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,17 +138,17 @@ def _per_query(x, y, contract_x: int, contract_y: int) -> jax.Array:
                              preferred_element_type=jnp.float32)
 
 
-def _tile(static: _Static, q0, k0, q_hqd, k_ref, vt_ref, segq_q1, segk_1k, a_ref):
-  """The tile of queries q_hqd [H, BQ, d] from position q0 and the key block from k0, up to the weights:
+def _tile(static: _Static, q0, k0, qt_hdq, kt_ref, vt_ref, segq_q1, segk_1k, a_ref):
+  """The tile of queries qᵀ [H, d, BQ] from position q0 and the key block from k0, up to the weights:
   the mask [BQ, BK] (or None), the normalisation's pullback, the weights a [1, H, BQ, BK] (also stored
   in the scratch a_ref [H, BQ, BK], for `_row`) and vᵀ [H, d, BK], float32. segq_q1 [BQ, 1] and segk_1k
   [1, BK]: segment ids, or None."""
-  H, bq, d = q_hqd.shape
-  bk = k_ref.shape[2]
+  H, d, bq = qt_hdq.shape
+  bk = kt_ref.shape[3]
   mask = core.tile_mask(static.causal, q0, k0, bq, bk, segq_q1, segk_1k)
-  contract_d = (((1,), (1,)), ((), ()))
+  contract_d = (((0,), (0,)), ((), ()))
   s_1hqk = jnp.stack([
-      jax.lax.dot_general(q_hqd[h], k_ref[0, h], contract_d, preferred_element_type=jnp.float32)
+      jax.lax.dot_general(qt_hdq[h], kt_ref[0, h], contract_d, preferred_element_type=jnp.float32)
       for h in range(H)
   ])[None] * d**-0.5
   mask_11qk = None if mask is None else mask[None, None]
@@ -413,7 +414,7 @@ def _forward_kernel(*refs, static, segments):
   segq_ref, segk_ref = refs[3:5] if segments else (None, None)
   out_ref, z_ref, acc_ref, a_ref, ap_ref = refs[-5:] if static.keep_z else (refs[-4], None, *refs[-3:])
   i, j = pl.program_id(1), pl.program_id(2)
-  bq, bk = q_ref.shape[2], k_ref.shape[2]
+  bq, bk = q_ref.shape[3], k_ref.shape[3]
   phi = core.NONLINEARITIES[static.knobs.nonlinearity]
 
   @pl.when(j == 0)
@@ -444,17 +445,17 @@ def _forward_kernel(*refs, static, segments):
 
 
 def _backward_kernel(*refs, static, segments):
-  """dk and dv accumulated over the query blocks of key block j, dq over the key blocks of the row
-  (dq_acc [query blocks, H, BQ, d]), written at the last key block; a_ref holds the tile's weights
+  """dkᵀ and dvᵀ accumulated over the query blocks of key block j, dqᵀ over the key blocks of the row
+  (dq_acc [query blocks, H, d, BQ]), written at the last key block; a_ref holds the tile's weights
   (ap_ref packed rows' on the diagonal)."""
   q_ref, k_ref, vt_ref, g_ref = refs[:4]
   z_ref = refs[4] if static.keep_z else None
   segq_ref, segk_ref = refs[4 + static.keep_z:][:2] if segments else (None, None)
-  _, H, bq, d = q_ref.shape
+  _, H, d, bq = q_ref.shape
   n = 8 + len(_head_loop_scratch(H, d, q_ref.dtype))
   dq_ref, dk_ref, dvt_ref, dq_acc_ref, dk_acc_ref, dvt_acc_ref, a_ref, ap_ref, *head_scratch = refs[-n:]
   j, i = pl.program_id(1), pl.program_id(2)
-  bk = k_ref.shape[2]
+  bk = k_ref.shape[3]
 
   @pl.when(i == 0)
   def _():
@@ -468,12 +469,12 @@ def _backward_kernel(*refs, static, segments):
   def accumulate(diagonal: bool):
     ds_1hqk, dzs = _tile_grads(static, i * bq, j * bk, q_ref, k_ref, vt_ref, g_ref, segq_ref, segk_ref, z_ref,
                                a_ref, ap_ref, diagonal, (dvt_acc_ref, *head_scratch))
-    contract_q = (((0,), (0,)), ((), ()))
+    contract_k = (((1,), (1,)), ((), ()))
     for h in range(H):
       ds_qk = ds_1hqk[0, h].astype(q_ref.dtype)
-      dq_acc_ref[i, h] += jnp.dot(ds_qk, k_ref[0, h], preferred_element_type=jnp.float32) * d**-0.5
-      dk_acc_ref[h] += jax.lax.dot_general(ds_qk, q_ref[0, h], contract_q,
-                                           preferred_element_type=jnp.float32) * d**-0.5
+      dq_acc_ref[i, h] += jax.lax.dot_general(k_ref[0, h], ds_qk, contract_k,
+                                              preferred_element_type=jnp.float32) * d**-0.5
+      dk_acc_ref[h] += jnp.dot(q_ref[0, h], ds_qk, preferred_element_type=jnp.float32) * d**-0.5
       if not dzs:
         continue
       dvt_acc_ref[h] += _sum_terms([
@@ -497,7 +498,7 @@ def _backward_kernel(*refs, static, segments):
 
 
 def _specs(static: _Static, shape, segments: bool, *, keys_outer: bool, with_g: bool):
-  """Block specs of (q, k, vᵀ[, g, kept z][, query segments, key segments]) for a grid (b, outer, inner)
+  """Block specs of (qᵀ, kᵀ, vᵀ[, g, kept z][, query segments, key segments]) for a grid (b, outer, inner)
   over blocks of BLOCK_Q queries and BLOCK_K keys: outer query blocks and inner key blocks, or
   (keys_outer) the other way round; and the spec of a kept z's tile on that grid."""
   _, H, T, d = shape
@@ -507,16 +508,13 @@ def _specs(static: _Static, shape, segments: bool, *, keys_outer: bool, with_g: 
     ij = lambda o, n: (qi(o, n), o)
   else:
     ij = lambda o, n: (o, core.last_key_block(causal, o, n, bq, bk))
-  query = pl.BlockSpec((1, H, bq, d), lambda b, o, n: (b, 0, ij(o, n)[0], 0))
-  specs = [
-      query,
-      pl.BlockSpec((1, H, bk, d), lambda b, o, n: (b, 0, ij(o, n)[1], 0)),
-      pl.BlockSpec((1, H, d, bk), lambda b, o, n: (b, 0, 0, ij(o, n)[1])),
-  ]
+  keys = pl.BlockSpec((1, H, d, bk), lambda b, o, n: (b, 0, 0, ij(o, n)[1]))
+  specs = [pl.BlockSpec((1, H, d, bq), lambda b, o, n: (b, 0, 0, ij(o, n)[0])), keys, keys]
   tile = pl.BlockSpec((1, 1, bq, d, bk), lambda b, o, n:
                       (b, _tile_index(causal, *ij(o, n), T // bk), 0, 0, 0))
   if with_g:
-    specs += [query, tile] if static.keep_z else [query]
+    g = pl.BlockSpec((1, H, bq, d), lambda b, o, n: (b, 0, ij(o, n)[0], 0))
+    specs += [g, tile] if static.keep_z else [g]
   if segments:
     specs += [
         pl.BlockSpec((1, bq, 1), lambda b, o, n: (b, ij(o, n)[0], 0)),
@@ -580,8 +578,8 @@ def kernel_costs(knobs: core.Knobs, causal: bool, shape, itemsize: int,
   return {FORWARD: cost(1, 2, 2, 2), BACKWARD: cost(3, 5 - keep_z, 5, 2)}
 
 
-def _costs(static: _Static, q_bhtd) -> dict[str, pl.CostEstimate]:
-  return kernel_costs(static.knobs, static.causal, q_bhtd.shape, q_bhtd.dtype.itemsize, static.keep_z)
+def _costs(static: _Static, qt_bhdt) -> dict[str, pl.CostEstimate]:
+  return kernel_costs(static.knobs, static.causal, _shape(qt_bhdt), qt_bhdt.dtype.itemsize, static.keep_z)
 
 
 def _check(shape):
@@ -601,21 +599,28 @@ def _dq_acc_bytes(shape) -> int:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt):
-  return _core_fwd(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt)[0]
+def _core(static, qt_bhdt, kt_bhdt, vt_bhdt, seg_bt):
+  return _core_fwd(static, qt_bhdt, kt_bhdt, vt_bhdt, seg_bt)[0]
 
 
-def _core_fwd(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt):
-  _check(q_bhtd.shape)
-  B, H, T, d = q_bhtd.shape
+def _shape(qt_bhdt) -> tuple[int, int, int, int]:
+  """[B, H, T, d] of qᵀ [B, H, d, T]."""
+  B, H, d, T = qt_bhdt.shape
+  return B, H, T, d
+
+
+def _core_fwd(static, qt_bhdt, kt_bhdt, vt_bhdt, seg_bt):
+  shape = _shape(qt_bhdt)
+  _check(shape)
+  B, H, T, d = shape
   segments = seg_bt is not None
-  in_specs, tile = _specs(static, q_bhtd.shape, segments, keys_outer=False, with_g=False)
+  in_specs, tile = _specs(static, shape, segments, keys_outer=False, with_g=False)
   out_specs = [pl.BlockSpec((1, H, BLOCK_Q, d), lambda b, i, j: (b, 0, i, 0))]
-  out_shape = [jax.ShapeDtypeStruct(q_bhtd.shape, q_bhtd.dtype)]
+  out_shape = [jax.ShapeDtypeStruct(shape, qt_bhdt.dtype)]
   if static.keep_z:
     out_specs.append(tile)
     out_shape.append(
-        jax.ShapeDtypeStruct((B, visible_tiles(T, static.causal), BLOCK_Q, d, BLOCK_K), q_bhtd.dtype))
+        jax.ShapeDtypeStruct((B, visible_tiles(T, static.causal), BLOCK_Q, d, BLOCK_K), qt_bhdt.dtype))
   out, *z = pl.pallas_call(
       functools.partial(_forward_kernel, static=static, segments=segments),
       grid=(B, T // BLOCK_Q, T // BLOCK_K),
@@ -623,50 +628,46 @@ def _core_fwd(static, q_bhtd, k_bhtd, vt_bhdt, seg_bt):
       out_specs=out_specs,
       out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((BLOCK_Q, H, d), jnp.float32), *_weights_scratch(H)],
-      cost_estimate=_costs(static, q_bhtd)[FORWARD],
+      cost_estimate=_costs(static, qt_bhdt)[FORWARD],
       name=program_name(FORWARD, static.only),
       **core.kernel_params(static.interpret, ("parallel", "parallel", "arbitrary"), VMEM_LIMIT),
-  )(q_bhtd, k_bhtd, vt_bhdt, *core.segment_blocks(seg_bt))
-  return out, (q_bhtd, k_bhtd, vt_bhdt, seg_bt, z)
+  )(qt_bhdt, kt_bhdt, vt_bhdt, *core.segment_blocks(seg_bt))
+  return out, (qt_bhdt, kt_bhdt, vt_bhdt, seg_bt, z)
 
 
 def _core_bwd(static, residuals, g_bhtd):
-  q_bhtd, k_bhtd, vt_bhdt, seg_bt, z = residuals
-  B, H, T, d = q_bhtd.shape
+  qt_bhdt, kt_bhdt, vt_bhdt, seg_bt, z = residuals
+  B, H, T, d = shape = _shape(qt_bhdt)
   segments = seg_bt is not None
-  args = (q_bhtd, k_bhtd, vt_bhdt, g_bhtd.astype(q_bhtd.dtype), *z, *core.segment_blocks(seg_bt))
+  args = (qt_bhdt, kt_bhdt, vt_bhdt, g_bhtd.astype(qt_bhdt.dtype), *z, *core.segment_blocks(seg_bt))
   # One pass over the tiles for all three gradients (the tiles' vector work is most of the kernel's
   # time). dq's block index moves only at the last key block, where the kernel writes it (module
   # docstring); the row's dq accumulator carries over key blocks, so they run in order.
   nk, nq = T // BLOCK_K, T // BLOCK_Q
-  dq_acc = pltpu.VMEM((nq, H, BLOCK_Q, d), jnp.float32)
-  dq, dk, dvt = pl.pallas_call(
+  dq_acc = pltpu.VMEM((nq, H, d, BLOCK_Q), jnp.float32)
+  dqt, dkt, dvt = pl.pallas_call(
       functools.partial(_backward_kernel, static=static, segments=segments),
       grid=(B, nk, nq),
-      in_specs=_specs(static, q_bhtd.shape, segments, keys_outer=True, with_g=True)[0],
+      in_specs=_specs(static, shape, segments, keys_outer=True, with_g=True)[0],
       out_specs=[
-          pl.BlockSpec((1, H, BLOCK_Q, d), lambda b, j, i: (b, 0, jnp.where(j == nk - 1, i, 0), 0)),
-          pl.BlockSpec((1, H, BLOCK_K, d), lambda b, j, i: (b, 0, j, 0)),
+          pl.BlockSpec((1, H, d, BLOCK_Q), lambda b, j, i: (b, 0, 0, jnp.where(j == nk - 1, i, 0))),
+          pl.BlockSpec((1, H, d, BLOCK_K), lambda b, j, i: (b, 0, 0, j)),
           pl.BlockSpec((1, H, d, BLOCK_K), lambda b, j, i: (b, 0, 0, j)),
       ],
-      out_shape=[
-          jax.ShapeDtypeStruct(q_bhtd.shape, q_bhtd.dtype),
-          jax.ShapeDtypeStruct(k_bhtd.shape, k_bhtd.dtype),
-          jax.ShapeDtypeStruct(vt_bhdt.shape, vt_bhdt.dtype)
-      ],
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (qt_bhdt, kt_bhdt, vt_bhdt)],
       scratch_shapes=[
           dq_acc,
-          pltpu.VMEM((H, BLOCK_K, d), jnp.float32),
+          pltpu.VMEM((H, d, BLOCK_K), jnp.float32),
           pltpu.VMEM((H, d, BLOCK_K), jnp.float32),
           *_weights_scratch(H),
-          *_head_loop_scratch(H, d, q_bhtd.dtype),
+          *_head_loop_scratch(H, d, qt_bhdt.dtype),
       ],
-      cost_estimate=_costs(static, q_bhtd)[BACKWARD],
+      cost_estimate=_costs(static, qt_bhdt)[BACKWARD],
       name=program_name(BACKWARD, static.only),
       **core.kernel_params(static.interpret, ("parallel", "arbitrary", "arbitrary"),
-                           VMEM_LIMIT + _dq_acc_bytes(q_bhtd.shape)),
+                           VMEM_LIMIT + _dq_acc_bytes(shape)),
   )(*args)
-  return dq, dk, dvt, None
+  return dqt, dkt, dvt, None
 
 
 _core.defvjp(_core_fwd, _core_bwd)
