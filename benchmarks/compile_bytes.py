@@ -30,11 +30,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from launch import compile as compile_lib
+from launch import compile as compile_lib, hlo_bytes
 from lm import attention, attention_blocked, model as model_lib
 from lm.experiment import Experiment
 
@@ -46,23 +45,6 @@ flags.DEFINE_string("hlo_out", "", "Also write the optimised HLO text here.")
 flags.DEFINE_bool(
     "count_blocked_tiles", False, "Add the blocked attention kernel's tiles that the "
     "compiler's count misses and print the corrected estimate (see above).")
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) (\w[\w\-]*)\((.*?)\)(, .*)?$")
-_ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]*)\]")
-_ITEMSIZE = dict(pred=1, s8=1, u8=1, s16=2, u16=2, bf16=2, f16=2, s32=4, u32=4, f32=4, s64=8, u64=8, f64=8)
-# Ops that move no data of their own.
-_FREE = {
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
-    "replica-id"
-}
-
-
-def shape_bytes(shape: str) -> int:
-  """Bytes of an HLO shape (a tuple's elements summed); layouts and memory spaces ignored."""
-  return sum(_ITEMSIZE[t] * int(np.prod([int(d)
-                                         for d in dims.split(",")
-                                         if d], dtype=np.int64))
-             for t, dims in _ARRAY.findall(shape))
 
 
 def where_from(op_name: str) -> str:
@@ -81,24 +63,12 @@ def where_from(op_name: str) -> str:
 
 def entry_operations(hlo: str) -> list[tuple[str, str, int, str]]:
   """(name, opcode, bytes read and written, origin) of every operation of the entry computation."""
-  shapes, ops, entry = {}, [], False
-  for line in hlo.splitlines():
-    if line.startswith("ENTRY"):
-      entry = True
-      continue
-    m = _INSTRUCTION.match(line)
-    if not m:
-      if entry and line.rstrip() == "}":  # the computation's end (kernels' attributes may span lines)
-        entry = False
-      continue
-    name, shape, opcode, operands, rest = m.groups()
-    shapes[name] = shape
-    if not entry or opcode in _FREE:
-      continue
-    read = sum(shape_bytes(shapes.get(o.strip().lstrip("%"), "")) for o in operands.split(","))
-    op_name = re.search(r'op_name="([^"]*)"', rest or "")
+  ops = []
+  for name, shape, opcode, operands, rest in hlo_bytes.entry_operations(hlo):
+    op_name = re.search(r'op_name="([^"]*)"', rest)
     origin = where_from(op_name.group(1)) if op_name else f"({opcode}, no op_name)"
-    ops.append((name, opcode, read + shape_bytes(shape), origin))
+    ops.append(
+        (name, opcode, sum(map(hlo_bytes.shape_bytes, operands)) + hlo_bytes.shape_bytes(shape), origin))
   return ops
 
 
@@ -146,7 +116,7 @@ def count_blocked_tiles(exp: Experiment, devices) -> None:
   print(f"{FLAGS.topology}, attention {r['attention']}: {layers} of {cfg.L} layers run the blocked kernel; "
         f"the step's count {r['compiler_bytes'] / 1e9:.2f} GB, with every tile {step_bytes / 1e9:.2f} GB per "
         f"chip and step; estimate {seconds * 1e3:.1f} ms per step, {seconds * r['steps'] / 3600:.1f} h for "
-        f"{r['tokens'] / 1e9:.0f}B tokens (was {r['estimated_hours']:.1f} h)")
+        f"{r['tokens'] / 1e9:.0f}B tokens (the roofline was {r['roofline_hours']:.1f} h)")
 
 
 def main(argv):
@@ -165,7 +135,8 @@ def main(argv):
   total = sum(b for _, _, b, _ in ops)
   reported = compiled.cost_analysis()["bytes accessed"]
   print(f"{FLAGS.topology}, attention {exp.model_cfg.attention}: {len(ops)} operations, "
-        f"{total / 1e9:.2f} GB read+written by this count, {reported / 1e9:.2f} GB by the compiler's")
+        f"{total / 1e9:.2f} GB read+written by this count, {reported / 1e9:.2f} GB by the compiler's; "
+        f"{hlo_bytes.hbm_bytes(hlo) / 1e9:.2f} GB of HBM traffic (what lives in on-chip memory left out)")
   groups = collections.Counter()
   for _, _, b, origin in ops:
     groups[origin] += b

@@ -47,9 +47,9 @@ def row(r: dict) -> str:
           f"{r['total_bytes'] / gib:.2f} GiB ({r['argument_bytes'] / gib:.2f} + "
           f"{r['temp_bytes'] / gib:.2f}) | {r['compiler_flops'] / 1e12:.2f} / "
           f"{r['model_flops'] / 1e12:.2f} | {r['compiler_bytes'] / 1e9:.1f} | "
-          f"{r['estimated_step_seconds'] * 1e3:.1f} ms ({r['bound']}) | "
-          f"{r['estimated_hours']:.1f} h | {r['serial_step_seconds'] * 1e3:.1f} ms, "
-          f"{r['serial_hours']:.1f} h | {r['compile_seconds']:.0f} |")
+          f"{r['estimated_step_seconds'] * 1e3:.1f} ms | {r['estimated_hours']:.1f} h | "
+          f"{r['roofline_step_seconds'] * 1e3:.1f} ms, {r['roofline_hours']:.1f} h ({r['bound']}) | "
+          f"{r['compile_seconds']:.0f} |")
 
 
 def _below_the_table(path: str) -> str:
@@ -67,8 +67,8 @@ def main(argv):
   del argv
   header = ("| attention | context | rows per step | memory per chip: total (arguments + temporaries) "
             "| TFLOPs per chip and step: compiler / model | HBM GB per chip and step (compiler) "
-            "| estimated step time (bound) | estimated time for 130B tokens "
-            "| per operation: step, 130B tokens | compile s |\n"
+            "| estimated step time | estimated time for 130B tokens "
+            "| roofline: step, 130B tokens (bound) | compile s |\n"
             "|---|---|---|---|---|---|---|---|---|---|")
   print(header, flush=True)
   rows, start = [], time.perf_counter()

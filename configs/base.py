@@ -40,7 +40,8 @@ def get_config() -> ml_collections.ConfigDict:
           weight_decay=0.1,
           grad_clip=1.0,  # grad_clip 0: none
           microbatches=1,  # gradient accumulation: the batch is processed in this many parts
-          cross_entropy_impl="auto",  # language modelling's loss: "xla", "pallas" (TPU), "fused" or "auto"
+          # Language modelling's loss: "xla", "pallas" or "pallas_keep_logits" (TPU), "fused" or "auto".
+          cross_entropy_impl="auto",
           on_nonfinite="stop",  # or "skip": a non-finite loss/gradient leaves the state unchanged
           log_every_steps=50,
       ))

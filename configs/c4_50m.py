@@ -24,12 +24,10 @@ def get_config():
   # 51,655,680 parameters (lm-train prints the count at start).
   c.model.update(V=32_000, D=512, H=8, L=6, F=2048, positions="rotary", tied_embeddings=False, max_len=512,
                  dtype="bfloat16")
-  # The v5e step is bound by memory traffic, not FLOPs: recomputing each MLP's hidden in the backward
-  # pass cuts the compiler's bytes per chip from 20.4 GB to 18.3 (docs/compile_table.md).
-  c.model.remat = "mlp"
-  # For the same reason, each q and k rotation's partner comes from a second product rather than from
-  # slicing q and k, so XLA fuses the rotation into the projections: 15.9 GB -> 13.4 GB, 6% more FLOPs
-  # (linear attention's step, in its TPU kernels: 15.6 GB -> 13.8; docs/compile_table.md).
+  # Each q and k rotation's partner comes from a second product rather than from slicing q and k, so
+  # XLA fuses the rotation into the projections: on a v5e chip the step's operations, one after
+  # another, take 2.2 ms less for 6% more FLOPs (docs/compile_table.md). The MLP is not recomputed
+  # in the backward pass (model.remat=mlp): that costs 0.8 ms more than it saves.
   c.model.rope_by_product = True
   c.data.update(source="c4", dir="gs://BUCKET/tensorflow_datasets", tokenizer=T5_VOCAB, seq_len=512,
                 threads=8)

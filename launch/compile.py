@@ -21,7 +21,7 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from launch import kernel_schedule
+from launch import hlo_bytes, kernel_schedule
 from launch.topology import CHIPS, GiB, UsageError, topology_devices
 from lm import attention, attention_core, cli, cross_entropy, flops, sharding
 from lm.experiment import Experiment
@@ -203,10 +203,10 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
   bound = "compute" if compute >= memory_time else "HBM bandwidth"
   out["kernel_seconds"] = kernel_seconds(schedules, chip)
   out.update(
-      estimated_step_seconds=max(compute, memory_time) + out["kernel_seconds"],
+      roofline_step_seconds=max(compute, memory_time) + out["kernel_seconds"],
       bound=bound + " + attention kernels" * bool(schedules) + " (attention kernels untimed)" * bool(untimed))
-  out["estimated_hours"] = out["estimated_step_seconds"] * config.train.steps / 3600
-  # The roofline lets operations bound by bytes hide those bound by FLOPs; on one core they run in turn.
+  out["roofline_hours"] = out["roofline_step_seconds"] * config.train.steps / 3600
+  # The estimate: a chip's one core runs the step's operations one after another, each at its own time.
   hlo = compiled.as_text()
   ce, out["cross_entropy_untimed"] = [], ""
   if cross_entropy.FORWARD in hlo:
@@ -217,10 +217,10 @@ def report(config: ml_collections.ConfigDict, topology: str) -> dict:
   out["cross_entropy_schedule"] = ce[0] if ce else None
   out["cross_entropy_seconds"] = kernel_seconds(ce, chip)
   scheduled = {s[k]["kernel"] for s in schedules + ce for k in ("forward", "backward")}
-  out.update(per_operation(hlo, scheduled, peak, chip))
-  out["serial_step_seconds"] = (out["xla_op_seconds"] + out["kernel_seconds"] + out["cross_entropy_seconds"] +
-                                out["declared_kernel_seconds"])
-  out["serial_hours"] = out["serial_step_seconds"] * config.train.steps / 3600
+  out.update(per_operation(hlo, scheduled, peak, chip), hbm_traffic_bytes=hlo_bytes.hbm_bytes(hlo))
+  out["estimated_step_seconds"] = (out["xla_op_seconds"] + out["kernel_seconds"] +
+                                   out["cross_entropy_seconds"] + out["declared_kernel_seconds"])
+  out["estimated_hours"] = out["estimated_step_seconds"] * config.train.steps / 3600
   return out
 
 
@@ -267,26 +267,26 @@ def format_report(r: dict) -> str:
       ("fits" if r["fits"] else "DOES NOT FIT"), "per chip and step:",
       f"  FLOPs, compiler              {r['compiler_flops']:.3e}",
       f"  FLOPs, model (6N+attention)  {r['model_flops']:.3e}",
-      f"  HBM bytes, compiler          {r['compiler_bytes']:.3e}",
+      f"  bytes accessed, compiler     {r['compiler_bytes']:.3e} (operands and results, wherever they live)",
+      f"  bytes through HBM            {r['hbm_traffic_bytes']:.3e} (on-chip memory left out)",
       f"  compiler's optimal time      {optimal}",
       "estimates, not measurements (docs/compile.md says how far to trust them):",
-      f"  step time   {r['estimated_step_seconds'] * 1e3:.1f} ms = max(FLOPs / "
-      f"{r['peak_flops'] / 1e12:.0f} TFLOP/s, bytes / {r['hbm_bytes_per_second'] / 1e9:.0f} GB/s)" +
-      (f" of the rest + {kernel_ms:.1f} ms of the attention's Pallas kernels (each the longer of the compiler's "
-       f"schedule, {r['kernel_cycles']:.3e} bundles in all at {r['clock_hz'] / 1e9:.2f} GHz with no stalls, "
-       f"and the HBM traffic it declares, {r['kernel_hbm_bytes'] / 1e9:.2f} GB in all)" if kernel_ms else "")
-      + f"; bound: {r['bound']}",
-      f"  run time    {r['estimated_hours']:.1f} h for {r['steps']:,} steps ({r['tokens'] / 1e9:.1f}B tokens)"
-  ]
-  lines.append(
-      f"  per operation {r['serial_step_seconds'] * 1e3:.1f} ms, {r['serial_hours']:.1f} h: the operations one "
-      f"after another, XLA's {r['xla_op_seconds'] * 1e3:.1f} ms by the compiler's estimate of each, the "
-      f"attention's kernels as above, the cross-entropy's {r['cross_entropy_seconds'] * 1e3:.1f} ms as the "
-      f"compiler scheduled them, other Pallas kernels {r['declared_kernel_seconds'] * 1e3:.1f} ms by their "
-      "declared FLOPs and bytes (a floor); collectives left out" +
-      (f"; no time for {', '.join(r['unpriced_kernels'])}" if r["unpriced_kernels"] else "") +
+      f"  step time   {r['estimated_step_seconds'] * 1e3:.1f} ms: the operations one after another, XLA's "
+      f"{r['xla_op_seconds'] * 1e3:.1f} ms by the compiler's estimate of each" +
+      (f", the attention's Pallas kernels {kernel_ms:.1f} ms (each the longer of the compiler's schedule, "
+       f"{r['kernel_cycles']:.3e} bundles in all at {r['clock_hz'] / 1e9:.2f} GHz with no stalls, and the HBM "
+       f"traffic it declares, {r['kernel_hbm_bytes'] / 1e9:.2f} GB in all)" if kernel_ms else "") +
+      f", the cross-entropy's {r['cross_entropy_seconds'] * 1e3:.1f} ms the same way, other Pallas kernels "
+      f"{r['declared_kernel_seconds'] * 1e3:.1f} ms by their declared FLOPs and bytes (a floor); collectives "
+      "left out" + (f"; no time for {', '.join(r['unpriced_kernels'])}" if r["unpriced_kernels"] else "") +
       (f"; the cross-entropy's kernels by what they declare: {r['cross_entropy_untimed']}"
-       if r["cross_entropy_untimed"] else ""))
+       if r["cross_entropy_untimed"] else ""),
+      f"  run time    {r['estimated_hours']:.1f} h for {r['steps']:,} steps ({r['tokens'] / 1e9:.1f}B tokens)",
+      f"  roofline    {r['roofline_step_seconds'] * 1e3:.1f} ms, {r['roofline_hours']:.1f} h: max(FLOPs / "
+      f"{r['peak_flops'] / 1e12:.0f} TFLOP/s, bytes / {r['hbm_bytes_per_second'] / 1e9:.0f} GB/s) of the rest"
+      + (" + the attention's kernels" if kernel_ms else "") + f"; bound: {r['bound']} (the compiler's bytes "
+      "include operands in on-chip memory, and the step's operations do not overlap: not a bound)"
+  ]
   if r["kernels_untimed"]:
     lines.append(f"  the attention's Pallas kernels are not in the step time: {r['kernels_untimed']}")
   if r["microbatches"] > 1:  # XLA's cost analysis counts a loop's body once, whatever its trip count.
