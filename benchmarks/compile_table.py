@@ -43,13 +43,14 @@ def row(r: dict) -> str:
   if not r["fits"]:
     return (f"| {r['attention']} | {r['seq_len']} | {r['batch_rows']} | does not fit: "
             f"{r['compiler_message']} | | | | | | {r['compile_seconds']:.0f} |")
-  return (f"| {r['attention']} | {r['seq_len']} | {r['batch_rows']} | "
-          f"{r['total_bytes'] / gib:.2f} GiB ({r['argument_bytes'] / gib:.2f} + "
-          f"{r['temp_bytes'] / gib:.2f}) | {r['compiler_flops'] / 1e12:.2f} / "
-          f"{r['model_flops'] / 1e12:.2f} | {r['compiler_bytes'] / 1e9:.1f} | "
-          f"{r['estimated_step_seconds'] * 1e3:.1f} ms | {r['estimated_hours']:.1f} h | "
-          f"{r['roofline_step_seconds'] * 1e3:.1f} ms, {r['roofline_hours']:.1f} h ({r['bound']}) | "
-          f"{r['compile_seconds']:.0f} |")
+  return (
+      f"| {r['attention']} | {r['seq_len']} | {r['batch_rows']} | "
+      f"{r['total_bytes'] / gib:.2f} GiB ({r['argument_bytes'] / gib:.2f} + "
+      f"{r['temp_bytes'] / gib:.2f}) | {r['compiler_flops'] / 1e12:.2f} / "
+      f"{r['model_flops'] / 1e12:.2f} | {r['compiler_bytes'] / 1e9:.1f} / {r['hbm_traffic_bytes'] / 1e9:.1f} | "
+      f"{r['estimated_step_seconds'] * 1e3:.1f} ms | {r['estimated_hours']:.1f} h | "
+      f"{r['roofline_step_seconds'] * 1e3:.1f} ms, {r['roofline_hours']:.1f} h ({r['bound']}) | "
+      f"{r['compile_seconds']:.0f} |")
 
 
 def _below_the_table(path: str) -> str:
@@ -65,11 +66,12 @@ def _below_the_table(path: str) -> str:
 
 def main(argv):
   del argv
-  header = ("| attention | context | rows per step | memory per chip: total (arguments + temporaries) "
-            "| TFLOPs per chip and step: compiler / model | HBM GB per chip and step (compiler) "
-            "| estimated step time | estimated time for 130B tokens "
-            "| roofline: step, 130B tokens (bound) | compile s |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+  header = (
+      "| attention | context | rows per step | memory per chip: total (arguments + temporaries) "
+      "| TFLOPs per chip and step: compiler / model | GB per chip and step: compiler's count / through HBM "
+      "| estimated step time | estimated time for 130B tokens "
+      "| roofline: step, 130B tokens (bound) | compile s |\n"
+      "|---|---|---|---|---|---|---|---|---|---|")
   print(header, flush=True)
   rows, start = [], time.perf_counter()
   for seq_len in map(int, FLAGS.contexts):
@@ -88,11 +90,11 @@ def main(argv):
               f"{TOKENS_PER_STEP:,} tokens per step at every context (130B tokens in "
               f"{r['steps']:,} steps). Memory and FLOPs are the compiler's, per chip; the model's FLOPs "
               "are 6 per parameter and token plus the attention core (lm/flops.py). **Step and run "
-              "times are estimates, not measurements**: max(FLOPs / peak, HBM bytes / bandwidth) per "
-              "chip, with the larger of the two FLOP counts, plus the attention's Pallas kernels as the "
-              "TPU compiler scheduled them; per operation, the step's operations one after another, XLA's "
-              "at the compiler's estimate of each, the attention's kernels as scheduled and the "
-              "cross-entropy's kernels at their declared FLOPs and bytes (a floor), collectives left out; "
+              "times are estimates, not measurements**: the step's operations one after another, as a "
+              "chip's one core runs them, XLA's at the compiler's estimate of each and the Pallas "
+              "kernels (the attention's and the cross-entropy's) as the TPU compiler scheduled them, "
+              "collectives left out; the roofline, max(FLOPs / peak, the compiler's bytes / bandwidth) "
+              "of the rest plus the attention's kernels, was the estimate before (below). "
               "docs/compile.md says how far to trust "
               f"them. Made in {time.perf_counter() - start:.0f} s by\n\n"
               f"    python benchmarks/compile_table.py --topology={FLAGS.topology} "

@@ -10,7 +10,10 @@ their gradients, as for flash attention.
 One tile, one grid step, is BLOCK_Q queries by BLOCK_K keys, keys on the lanes: the scores s_h [BQ, BK]
 of each head come from the MXU; the pair's weights a_h from the normalisation (core.normalize, and its
 pullback by autodiff); z [BQ, d, BK] = Σ_h a_h[:, None, :] · vᵀ_h[None] on the vector unit, v passed
-transposed ([d, keys]) so that a head's values broadcast over the query axis for free. The products
+transposed ([d, keys]) so that a head's values broadcast over the query axis for free. q and k come
+transposed too, and dq and dk go back so: at d = 64 an array with d last fills half of each tile's 128
+lanes, and XLA's projections that wrote q and k that way took twice v's time; the MXU takes the
+transposed operands of the scores, dq and dk as they are. The products
 that contract over keys or over d, one per query (the output Σ_k a_h φ(z); backward, the cotangents of
 φ(z) and of a through the output), go to the MXU batched over queries (`_per_query`). On the vector
 unit, the output's sum over keys was a reduction across lanes for every query, head and 8 rows of d,
