@@ -8,8 +8,9 @@ token blocks and dx over vocabulary blocks (dx for a chunk of tokens held on chi
 logits of a v5e chip's 8,192 tokens are 1 GB in float32, read and written several times per step by the
 "xla" form; the kernels trade that traffic for recomputing the readout's product once more.
 "pallas_keep_logits" writes them once, in float32, from the forward kernel and reads them once in the
-backward kernel instead of recomputing them: the same numbers, one product fewer, 4 bytes per token and
-word of memory ("auto" keeps them on TPU up to KEEP_LOGITS_BYTES per device). The
+backward kernel instead of recomputing them: the same numbers up to float32's rounding of the product
+(the kernels take it in blocks of different sizes), one product fewer, 4 bytes per token and word of
+memory ("auto" keeps them on TPU up to KEEP_LOGITS_BYTES per device). The
 "fused" one (XLA, CPU's choice) walks the tokens in blocks and forms each block's gradient in the same
 pass as its loss, for the weighted sum of the losses (readout_loss), whose gradient is that sum's.
 """
@@ -48,7 +49,7 @@ DX_CHUNK_BYTES = 16 * 2**20
 VMEM_LIMIT = 64 * 2**20
 # "auto" on TPU keeps a device's float32 logits from the forward kernel for the backward one (which
 # then forms two products of the readout's size instead of three) up to this size: 1.0 GiB for a v5e
-# chip of c4_50m (8,192 tokens x 32,000 words), 5.24 → 4.59 ms a step by the compiler's schedule.
+# chip of c4_50m (8,192 tokens x 32,000 words), 5.53 → 4.59 ms a step by the compiler's schedule.
 KEEP_LOGITS_BYTES = 2 * 2**30
 FORWARD, BACKWARD = "cross_entropy_fwd", "cross_entropy_bwd"  # the kernels' pallas_call names
 # Tokens per step of the fused form's loop: [512, V] float32 logits at a time.
@@ -115,7 +116,7 @@ def readout_loss(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: ja
 def readout_nll(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: jax.Array, *, impl: str = "auto",
                 batch_axes: tuple[str, ...] = sharding.BATCH, interpret: bool = False) -> jax.Array:
   """token_nll(scale · x_btd @ w_dv, targets_bt), float32 [B, T]; x and w in the compute dtype. "xla"
-  rounds the logits to the compute dtype as the model's forward pass does; the kernels keep them in
+  rounds the logits to the compute dtype as the model's forward pass does; the kernels form them in
   float32. "auto" takes the kernels when lowering for TPU and the shapes tile (keeping the logits when
   they fit KEEP_LOGITS_BYTES), "xla" otherwise. Under a
   mesh the kernels run on each device's rows (shard_map over the mesh axes in `batch_axes`; w whole on
@@ -131,9 +132,11 @@ def readout_nll(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: jax
   xla = lambda x, w, t: token_nll(Readout(x, w, scale).logits(), t)
   if impl == "xla" or problem:
     return xla(x_btd, w_dv, targets_bt)
-  kernels = lambda keep: _per_device(
-      functools.partial(_pallas_nll, scale=scale, keep=keep, interpret=interpret), rows, in_specs=(P(rows), P(
-      ), P(rows)), out_specs=P(rows))
+
+  def kernels(keep: bool):
+    nll = functools.partial(_pallas_nll, scale=scale, keep=keep, interpret=interpret)
+    return _per_device(nll, rows, in_specs=(P(rows), P(), P(rows)), out_specs=P(rows))
+
   if impl in KERNELS:
     return kernels(impl == "pallas_keep_logits")(x_btd, w_dv, targets_bt)
   keep = tpu_kernels(impl, targets_bt.size // shards, w_dv.shape[1]) == "pallas_keep_logits"
