@@ -296,28 +296,33 @@ def test_kernel_schedule_of_splash_kernels():
                              head_dim=64, dtype="bfloat16", causal=True, segments=True, topology="v5e:2x2")
 
 
-@pytest.mark.parametrize("kernels,forward_steps", [("pallas", 4), ("pallas_keep_logits", 8)])
-def test_kernel_schedule_of_cross_entropy_kernels(kernels, forward_steps):
+def test_kernel_schedule_of_cross_entropy_kernels():
   """The readout cross-entropy's kernels, timed the same way: 4,096 tokens of a [128, 5,120] readout in
-  vocabulary blocks of 2,560 words, the forward kernel in blocks of 2,048 tokens (1,024 when it writes
-  the logits), the backward in 8 x 2 (512 tokens); each the bundles of its program times its grid steps,
-  and the traffic it declares: with the logits kept, their float32 bytes once more in each kernel and
-  two products backward instead of three."""
-  keep = kernels == "pallas_keep_logits"
+  vocabulary blocks of 2,560 words, the forward kernel in blocks of 1,024 tokens as it writes the logits
+  (2,048 when they are recomputed), the backward in 8 x 2 (512 tokens); each the bundles of its program
+  times its grid steps, and the traffic it declares: with the logits kept, their float32 bytes once
+  more in each kernel (and the forward reads w once per block of 1,024) and two products backward
+  instead of three. (The kernels that recompute the logits are read the same way: compiled for TPU in
+  tests/test_cross_entropy.py.)"""
   r = kernel_schedule.cross_entropy_schedule(tokens=4096, width=128, vocab=5120, dtype="bfloat16",
-                                             topology="v5e:2x2", kernels=kernels)
-  declared = cross_entropy.kernel_costs(4096, 128, 5120, 2, keep)
+                                             topology="v5e:2x2", kernels="pallas_keep_logits")
+  declared = cross_entropy.kernel_costs(4096, 128, 5120, 2, True)
   recomputed = cross_entropy.kernel_costs(4096, 128, 5120, 2, False)
-  assert declared[cross_entropy.BACKWARD].flops == (4 if keep else 6) * 4096 * 128 * 5120
-  for name in (cross_entropy.FORWARD, cross_entropy.BACKWARD):
-    assert declared[name].bytes_accessed - recomputed[name].bytes_accessed == (
-        4 * 4096 * 5120 * keep + (name == cross_entropy.FORWARD) * keep * 2 * 128 * 5120 * 2)
-  assert cross_entropy.grid_steps(4096, 128, 5120, 2, keep) == {
-      cross_entropy.FORWARD: forward_steps,
+  assert declared[cross_entropy.BACKWARD].flops == 4 * 4096 * 128 * 5120
+  assert recomputed[cross_entropy.BACKWARD].flops == 6 * 4096 * 128 * 5120
+  for name, w_reads in ((cross_entropy.FORWARD, 2), (cross_entropy.BACKWARD, 0)):
+    assert declared[name].bytes_accessed - recomputed[
+        name].bytes_accessed == 4 * 4096 * 5120 + w_reads * 128 * 5120 * 2
+  assert cross_entropy.grid_steps(4096, 128, 5120, 2, False) == {
+      cross_entropy.FORWARD: 4,
       cross_entropy.BACKWARD: 16
   }
-  for kernel, name, steps in (("forward", cross_entropy.FORWARD, forward_steps),
-                              ("backward", cross_entropy.BACKWARD, 16)):
+  assert cross_entropy.grid_steps(4096, 128, 5120, 2, True) == {
+      cross_entropy.FORWARD: 8,
+      cross_entropy.BACKWARD: 16
+  }
+  for kernel, name, steps in (("forward", cross_entropy.FORWARD, 8), ("backward", cross_entropy.BACKWARD,
+                                                                      16)):
     k = r[kernel]
     assert (k["kernel"], k["visible_steps"], k["hbm_bytes"]) == (name, steps, declared[name].bytes_accessed)
     assert k["bundles_per_step"] > 500 and k["cycles"] == k["bundles_per_step"] * steps
