@@ -13,7 +13,6 @@ import numpy as np
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) (\w[\w\-]*)\((.*?)\)(, .*)?$")
 _TYPES = "pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64"
 _ARRAY = re.compile(rf"\b({_TYPES})\[([\d,]*)\](\{{[^}}]*\}})?")
-_ARRAY_TEXT = re.compile(rf"\b(?:{_TYPES})\[[\d,]*\](?:\{{[^}}]*\}})?")
 _ITEMSIZE = dict(pred=1, s8=1, u8=1, s16=2, u16=2, bf16=2, f16=2, s32=4, u32=4, f32=4, s64=8, u64=8, f64=8)
 # Ops that move no data of their own.
 FREE = {
@@ -58,15 +57,11 @@ def hbm_bytes(hlo: str) -> int:
   asynchronous slice reads. What an operation reads from or writes to on-chip memory is left out."""
   total = 0
   for _, shape, opcode, operands, _ in entry_operations(hlo):
-    reads = sum(shape_bytes(s, hbm_only=True) for s in operands)
     if opcode == "slice-start":  # ((source), piece, index): the piece is what moves
-      total += shape_bytes(_ARRAY_TEXT.findall(shape)[1])
-    elif opcode == "slice-done":
-      continue
-    elif opcode.endswith("-start"):  # reads its operands; its -done writes the result
-      total += reads
-    elif opcode.endswith("-done"):  # its operand is the -start's tuple, counted there
-      total += shape_bytes(shape, hbm_only=True)
-    else:
-      total += reads + shape_bytes(shape, hbm_only=True)
+      total += shape_bytes(list(_ARRAY.finditer(shape))[1].group(0))
+    # An asynchronous operation's -start reads its operands; its -done, whose operand is the -start's
+    # tuple, writes the result.
+    elif opcode != "slice-done":
+      reads = 0 if opcode.endswith("-done") else sum(shape_bytes(s, hbm_only=True) for s in operands)
+      total += reads + (0 if opcode.endswith("-start") else shape_bytes(shape, hbm_only=True))
   return total

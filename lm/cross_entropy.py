@@ -137,11 +137,11 @@ def readout_nll(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: jax
     nll = functools.partial(_pallas_nll, scale=scale, keep=keep, interpret=interpret)
     return _per_device(nll, rows, in_specs=(P(rows), P(), P(rows)), out_specs=P(rows))
 
+  on_tpu = kernels(tpu_kernels(impl, targets_bt.size // shards, w_dv.shape[1]) == "pallas_keep_logits")
   if impl in KERNELS:
-    return kernels(impl == "pallas_keep_logits")(x_btd, w_dv, targets_bt)
-  keep = tpu_kernels(impl, targets_bt.size // shards, w_dv.shape[1]) == "pallas_keep_logits"
+    return on_tpu(x_btd, w_dv, targets_bt)
   # The platform being lowered for decides, so a step compiled for TPU on a CPU host gets the kernels.
-  return jax.lax.platform_dependent(x_btd, w_dv, targets_bt, tpu=kernels(keep), default=xla)
+  return jax.lax.platform_dependent(x_btd, w_dv, targets_bt, tpu=on_tpu, default=xla)
 
 
 def tpu_kernels(impl: str, tokens: int, V: int) -> str:
