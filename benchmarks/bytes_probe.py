@@ -4,7 +4,7 @@
 
 Compiles an MLP's two products, x [tokens, 512] @ w1 [512, 2048], GELU, @ w2 [2048, 512] in bfloat16,
 for one chip of the topology, and prints the compiler's bytes accessed beside the bytes that go
-through HBM (launch/hlo_bytes.py: an operand or result whose layout names on-chip memory is left out),
+through HBM (launch/aot/hlo_bytes.py: an operand or result whose layout names on-chip memory is left out),
 where each array lives, the compiler's optimal time and the sum of its operations' estimated cycles
 (what lm-compile's step time adds up). docs/compile.md reads the output.
 """
@@ -22,8 +22,8 @@ flags.DEFINE_integer("tokens", 8192, "Rows of x.")
 
 def main(argv):
   del argv
-  from launch import compile as compile_lib, hlo_bytes
-  from launch.topology import CHIPS
+  from launch.aot import compile as compile_lib, hlo_bytes
+  from launch.aot.topology import CHIPS
   from lm import flops
 
   devices = compile_lib.topology_devices(FLAGS.topology)

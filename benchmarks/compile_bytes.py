@@ -13,7 +13,7 @@ static counts, not measurements; lm-compile's time estimate divides the compiler
 chip's HBM bandwidth.
 
 The compiler counts a loop's body once, whatever its trip count, so a step with the blocked attention
-kernel (lm/attention_blocked.py: loops over query and key tiles; HYLA's kernel on TPU) holds one tile
+kernel (lm/attention/blocked.py: loops over query and key tiles; HYLA's kernel on TPU) holds one tile
 per loop in its count. --count_blocked_tiles corrects that: it compiles the kernel alone for one chip,
 forward and backward, at the length of one tile (every loop runs once, so the compiler's count is
 whole) and at the run's length (the count the step holds), and adds, for every layer that runs the
@@ -33,8 +33,9 @@ import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_flags
 
-from launch import compile as compile_lib, hlo_bytes
-from lm import attention, attention_blocked, model as model_lib
+from launch.aot import compile as compile_lib, hlo_bytes
+from lm import attention, model as model_lib
+from lm.attention import blocked as attention_blocked
 from lm.experiment import Experiment
 
 FLAGS = flags.FLAGS

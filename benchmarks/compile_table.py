@@ -15,7 +15,7 @@ import jax
 from absl import app, flags
 
 from configs import c4_50m
-from launch import compile as compile_lib
+from launch.aot import compile as compile_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("topology", "v5e:4x4", "TPU topology, as lm-compile --topology.")

@@ -57,8 +57,8 @@ def measure_ours(preset: str, dtype: str, steps: int) -> dict:
   """Our training loop's work per step: the next host batch, its transfer, the train step."""
   import jax  # noqa: PLC0415  (workers only: the driver never initialises jax)
 
-  from lm import cli  # noqa: PLC0415
   from lm.experiment import Experiment  # noqa: PLC0415
+  from lm.runtime import cli  # noqa: PLC0415
   from lm.train import HostData  # noqa: PLC0415
 
   c = importlib.import_module(f"configs.{_TASK.value}").get_config()

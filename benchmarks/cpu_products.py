@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import workers
 from absl import app, flags
 
-from lm import cli, experiment
+from lm import experiment
+from lm.runtime import cli
 
 _SHAPES = flags.DEFINE_list("shapes", ["4608x128x384", "576x128x64", "2048x2048x2048"], "MxKxN products.")
 _FUSIONS = flags.DEFINE_list("fusions", ["default", "dot"],

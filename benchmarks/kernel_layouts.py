@@ -7,7 +7,7 @@ transposes between the layouts, as the compiler schedules them for one v5e chip.
 z[q, k, :] = Σ_h a_h[q, k] v_h[k, :] contracts over heads with each key's own values: on the MXU it is a
 product batched over keys, and comes out key-major; the kernels' per-query products (the output
 Σ_k a_h φ(z), backward the cotangents through it) need it query-major. Each case is a Pallas kernel of
-one step, compiled with libtpu's dumps and read like launch/kernel_schedule.py does (bundles of the
+one step, compiled with libtpu's dumps and read like launch/aot/kernel_schedule.py does (bundles of the
 program, one a cycle; the fullest units). Estimates from the compiler's schedule, not measurements.
 """
 
@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
-from launch import kernel_schedule, topology  # noqa: E402
-from lm import attention_hypernetwork  # noqa: E402
+from launch.aot import kernel_schedule, topology  # noqa: E402
+from lm.attention import hypernetwork as attention_hypernetwork  # noqa: E402
 
 flags.DEFINE_string("topology", "v5e:2x2", "TPU topology; the kernels are compiled for its first chip.")
 

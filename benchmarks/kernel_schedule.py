@@ -1,5 +1,5 @@
 """The compiler's own schedule of the attention's Pallas TPU kernels (HYLA's, or with --impl=splash
-softmax's), as a table: bundles per grid step and the units that fill them (launch/kernel_schedule.py
+softmax's), as a table: bundles per grid step and the units that fill them (launch/aot/kernel_schedule.py
 reads them from libtpu's LLO dumps).
 
     python benchmarks/kernel_schedule.py [--impl=splash --preset=softmax] [--rows=16 --seq_len=512
@@ -15,7 +15,7 @@ import json
 
 from absl import app, flags
 
-from launch import kernel_schedule, topology
+from launch.aot import kernel_schedule, topology
 from lm import attention
 
 FLAGS = flags.FLAGS
@@ -61,7 +61,7 @@ def main(argv):
     programs = k["programs"]
     print(f"| {name} | {k['bundles_per_step']:,} | {k['visible_steps']:,} | {ms:.2f} | " +
           (busy(k["units"]) if len(programs) == 1 else "(the programs' average)") + " |")
-    for p in programs if len(programs) > 1 else ():  # built and counted alone (launch/kernel_schedule.py)
+    for p in programs if len(programs) > 1 else ():  # built and counted alone (launch/aot/kernel_schedule.py)
       print(f"| {name}, tiles {p['tiles']} | {p['bundles_per_step']:,} | {p['steps']:,} | "
             f"{p['bundles_per_step'] * p['steps'] / (clock_ghz * 1e6):.2f} | {busy(p['units'])} |")
   print(f"both kernels: {total:.2f} ms per layer")

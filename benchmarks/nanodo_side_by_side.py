@@ -74,7 +74,8 @@ def config(steps: int):
 
 def measure_loop(steps: int) -> dict:
   """lm-train's loop: steps/s between its first report (after step 1, which compiles) and the last."""
-  from lm import run_log, train  # noqa: PLC0415
+  from lm import train
+  from lm.runtime import run_log  # noqa: PLC0415
 
   with tempfile.TemporaryDirectory() as workdir:
     cpu = time.process_time()

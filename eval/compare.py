@@ -1,6 +1,6 @@
 """Compares training runs: `lm-compare DIR [DIR ...] --out=FILE.png [--table=FILE.md]`.
 
-Reads each workdir's training log (lm/run_log.py) and config.json, prints a markdown table of the
+Reads each workdir's training log (lm/runtime/run_log.py) and config.json, prints a markdown table of the
 runs' final validation metrics and throughput, and plots validation perplexity against training
 tokens, training FLOPs (each run's own FLOPs per token, lm/flops.py) and wall-clock seconds. Runs
 whose configs differ only in the seed are one curve: the mean with a band of ± one standard error.
@@ -16,8 +16,9 @@ from absl import app, flags
 from etils import epath
 
 from data_pipelines import storage
-from lm import checkpointing, cli, flops, run_log, stats
+from lm import checkpointing, flops, stats
 from lm.model import ModelConfig
+from lm.runtime import cli, run_log
 
 matplotlib.use("Agg")  # files only: no display on training hosts
 import matplotlib.pyplot as plt  # noqa: E402

@@ -15,8 +15,9 @@ from absl import flags
 from etils import epath
 
 from data_pipelines import storage
-from lm import checkpointing, cli
+from lm import checkpointing
 from lm.experiment import Experiment
+from lm.runtime import cli
 
 
 def result_path(workdir: str, step: int) -> epath.Path:

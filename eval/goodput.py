@@ -3,12 +3,12 @@
 Prints one row per training workdir: its wall-clock time over all of its (re)starts, split into
 training, compiling, starting, restoring, checkpointing, evaluating, steps repeated after a restart
 and time down between processes, and its goodput: the share spent on training steps that count
-(lm/goodput.py says how each is measured).
+(lm/runtime/goodput.py says how each is measured).
 """
 
 from absl import app
 
-from lm import cli, goodput, metrics, run_log
+from lm.runtime import cli, goodput, metrics, run_log
 
 COLUMNS = ("run", "wall-clock", *goodput.RUN_CATEGORIES, "restarts", "goodput")
 

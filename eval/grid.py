@@ -29,7 +29,8 @@ from ml_collections import config_flags
 
 from data_pipelines import storage
 from eval import compare, grid_summary
-from lm import attention, checkpointing, cli, metrics, model as model_lib
+from lm import attention, checkpointing, model as model_lib
+from lm.runtime import cli, metrics
 
 FLAGS = flags.FLAGS
 COMPOSITIONAL = ("sraven", "fuzzy_logic")

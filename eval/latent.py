@@ -35,7 +35,8 @@ from sklearn.preprocessing import MultiLabelBinarizer
 
 from data_pipelines import fuzzy_logic, sraven, storage
 from eval import compare
-from lm import checkpointing, cli, model as model_lib
+from lm import checkpointing, model as model_lib
+from lm.runtime import cli
 from lm.tasks_compositional import EVAL_STEP0, split_seed
 
 matplotlib.use("Agg")

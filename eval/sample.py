@@ -11,8 +11,9 @@ from absl import flags
 from etils import epath
 
 from data_pipelines import sources
-from lm import checkpointing, cli, decode
+from lm import checkpointing, decode
 from lm.experiment import Experiment
+from lm.runtime import cli
 
 
 def sample(workdir: str, prompt: str, *, step: int | None = None, max_new_tokens: int = 64,

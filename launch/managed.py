@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from launch import tpu
-from lm import watchdog
+from lm.runtime import watchdog
 
 # SkyPilot's default: after a preemption, try the next region at once rather than wait in this one.
 _STRATEGY = "EAGER_NEXT_REGION"

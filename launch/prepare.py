@@ -13,7 +13,7 @@ from absl import flags
 from etils import epath
 
 from data_pipelines import prepare, records, storage, tokenizer as tokenizer_lib
-from lm import cli
+from lm.runtime import cli
 
 FLAGS = flags.FLAGS
 

@@ -1,5 +1,5 @@
 """Generation: a prompt, then one token at a time through the model's decode mode (each layer keeps
-the exact state of its variant, lm/decode_cache.py), sampling each new token from the logits.
+the exact state of its variant, lm/attention/decode_cache.py), sampling each new token from the logits.
 
 The context is the run's training length: positions past it were never trained, so a prompt and its
 continuation must fit in it (`check_context`); nothing is extrapolated.

@@ -5,7 +5,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from lm import attention_core
+from lm.attention import core as attention_core
 from lm.model import ModelConfig
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
@@ -25,7 +25,7 @@ PEAK_FLOPS = {
 
 def flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int, readout_last: int = 0) -> float:
   """Training FLOPs (forward + backward) per token: 6 per parameter plus the attention core, 3x its
-  forward FLOPs per (query, key) pair and layer (lm.attention_core.pair_flops of the layer's preset: the
+  forward FLOPs per (query, key) pair and layer (lm.attention.core.pair_flops of the layer's preset: the
   score and the value network's products, so HYLA's core costs 1.5x softmax's). Counted over all T keys, as PaLM's MFU convention
   does, whatever the mask skips. readout_last > 0 (a task that reads only the last positions): the last
   layer's query and output projections, MLP, readout and queries run on those rows only (lm/model.py)."""

@@ -13,7 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm import attention, cross_entropy, decode_cache, sharding
+from lm import attention, cross_entropy, sharding
+from lm.attention import decode_cache
 
 POSITIONS = ("rotary", "relative_bias", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -246,7 +247,7 @@ class Attention(nn.Module):
   """Projections around lm.attention.attend with layer `layer`'s preset. Latent codes are computed
   only when the `codes` collection is mutable, which only `latent_codes` (evaluation) makes it.
   decode_len > 0: the inputs are the next tokens after those already in the layer's decoding cache of
-  decode_len positions (lm/decode_cache.py), whose exact state depends on the preset.
+  decode_len positions (lm/attention/decode_cache.py), whose exact state depends on the preset.
   query_last > 0: only the last query_last positions ask queries (of every key): the output is
   [B, query_last, D], the rows a full call would give there. Such a call names its query and key
   positions, which not every implementation takes: it runs model.attention_impl if that one can,

@@ -18,8 +18,9 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from data_pipelines import pipeline, storage
-from lm import checkpointing, cli, compilation_cache, flops, goodput, metrics, ownership, wandb_log, watchdog
+from lm import checkpointing, flops
 from lm.experiment import Experiment
+from lm.runtime import cli, compilation_cache, goodput, metrics, ownership, wandb_log, watchdog
 
 
 class HostData:
@@ -323,7 +324,7 @@ def run():
   flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
   flags.DEFINE_float(
       "lease_seconds", 60, "On gs://, how long a job that died keeps the workdir "
-      "(lm/ownership.py); local workdirs are released at once.")
+      "(lm/runtime/ownership.py); local workdirs are released at once.")
   flags.DEFINE_bool(
       "jax_distributed", False, "Call jax.distributed.initialize() with no arguments "
       "(TPU VM slices, where the environment describes the job).")

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm import attention, attention_core, model as model_lib
+from lm import attention, model as model_lib
+from lm.attention import core as attention_core
 
 jax.config.update("jax_enable_x64", False)
 COMBOS = list(itertools.product(attention.NORMALIZATIONS, attention.VALUE_NETWORKS))

@@ -11,14 +11,13 @@ import pytest
 from jax.extend import core as jax_core
 from small import python_on_cpu_devices
 
-from lm import (
-    attention,
-    attention_blocked,
-    attention_core,
-    attention_hypernetwork,
-    attention_linear,
-    attention_softmax,
-    model as model_lib,
+from lm import attention, model as model_lib
+from lm.attention import (
+    blocked as attention_blocked,
+    core as attention_core,
+    hypernetwork as attention_hypernetwork,
+    linear as attention_linear,
+    softmax as attention_softmax,
 )
 
 COMBOS = list(itertools.product(attention.NORMALIZATIONS, attention.VALUE_NETWORKS))
@@ -243,7 +242,8 @@ def test_pallas_kernels_on_each_device_of_a_mesh():
   script = textwrap.dedent(f"""
       import jax, jax.numpy as jnp, numpy as np
       from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-      from lm import attention, attention_hypernetwork, attention_linear, sharding
+      from lm import attention, sharding
+      from lm.attention import hypernetwork as attention_hypernetwork, linear as attention_linear
       import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
       from test_attention_fast import _out_and_grads
       q, k, v, g = (jax.random.normal(key, (4, 128, 2, 8)) for key in jax.random.split(jax.random.key(6), 4))

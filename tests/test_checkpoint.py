@@ -17,8 +17,9 @@ import pytest
 from etils import epath
 from small import small_config, tensorboard_events
 
-from lm import checkpointing, ownership, run_log, train
+from lm import checkpointing, train
 from lm.experiment import Experiment
+from lm.runtime import ownership, run_log
 
 CONFIG_FILE = """
 from small import small_config

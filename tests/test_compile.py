@@ -24,8 +24,9 @@ from small import small_config  # noqa: E402
 
 from configs import c4_50m, sraven, tiny  # noqa: E402
 from data_pipelines import pipeline  # noqa: E402
-from launch import compile as compile_lib, kernel_schedule, topology  # noqa: E402
-from lm import attention, attention_hypernetwork, attention_linear, attention_softmax, cross_entropy  # noqa: E402
+from launch.aot import compile as compile_lib, kernel_schedule, topology  # noqa: E402
+from lm import attention, cross_entropy  # noqa: E402
+from lm.attention import hypernetwork, linear, softmax  # noqa: E402
 from lm.experiment import Experiment, microbatch_compiler_options  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ SMALL = ["--config.model.L=1", "--config.train.batch_size=16"]
 
 
 def lm_compile(*argv: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", "launch.compile", "--config=configs/c4_50m.py", *argv],
+  return subprocess.run([sys.executable, "-m", "launch.aot.compile", "--config=configs/c4_50m.py", *argv],
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -77,16 +78,16 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
     # At 512 tokens, z kept for the backward pass: its 10 tiles of 128 x 128 x 64 in bfloat16, written
     # and read once, are part of the kernels' declared traffic.
     assert schedule["impl"] == r["attention_impls"][0] == "pallas_hypernetwork_keep_z"
-    names = (attention_hypernetwork.FORWARD, attention_hypernetwork.BACKWARD)
-    steps = attention_hypernetwork.visible_tiles(512, True)
-    declared = attention_hypernetwork.kernel_costs(knobs, True, (1, 8, 512, 64), 2, keep_z=True)
-    recomputed = attention_hypernetwork.kernel_costs(knobs, True, (1, 8, 512, 64), 2)
+    names = (hypernetwork.FORWARD, hypernetwork.BACKWARD)
+    steps = hypernetwork.visible_tiles(512, True)
+    declared = hypernetwork.kernel_costs(knobs, True, (1, 8, 512, 64), 2, keep_z=True)
+    recomputed = hypernetwork.kernel_costs(knobs, True, (1, 8, 512, 64), 2)
     for n in names:
       assert declared[n].bytes_accessed - recomputed[n].bytes_accessed == 10 * 128 * 128 * 64 * 2
     declared = {n: (declared[n].flops, declared[n].bytes_accessed) for n in names}
   else:
     assert schedule["impl"] == "splash"
-    names = (attention_softmax.SPLASH_FORWARD, attention_softmax.SPLASH_BACKWARD)
+    names = (softmax.SPLASH_FORWARD, softmax.SPLASH_BACKWARD)
     steps, declared = 8, dict.fromkeys(names, (0, 0))
   kernels = 0.0
   for kernel, name in zip(("forward", "backward"), names):
@@ -241,17 +242,17 @@ def test_the_compiler_counts_what_the_kernels_declare(monkeypatch):
   x = jax.ShapeDtypeStruct((1, 256, 2, 64), jax.numpy.bfloat16, sharding=chip)
 
   def cost():
-    out = lambda q, k, v: attention_hypernetwork.attend_pallas_hypernetwork(q, k, v, knobs=knobs)
+    out = lambda q, k, v: hypernetwork.attend_pallas_hypernetwork(q, k, v, knobs=knobs)
     f = jax.grad(lambda q, k, v: jax.numpy.square(out(q, k, v).astype(np.float32)).sum(), argnums=(0, 1, 2))
     return jax.jit(f).lower(x, x, x).compile().cost_analysis()
 
-  declared = attention_hypernetwork.kernel_costs(knobs, True, (1, 2, 256, 64), 2).values()
+  declared = hypernetwork.kernel_costs(knobs, True, (1, 2, 256, 64), 2).values()
   once = cost()
   # Beside the kernels, XLA's few element-wise operations (the loss).
   assert 0 <= once["flops"] - sum(c.flops for c in declared) < 1e-3 * once["flops"]
-  kernel_costs = attention_hypernetwork.kernel_costs
+  kernel_costs = hypernetwork.kernel_costs
   monkeypatch.setattr(
-      attention_hypernetwork, "kernel_costs", lambda *a: {
+      hypernetwork, "kernel_costs", lambda *a: {
           name:
               pl.CostEstimate(flops=c.flops, transcendentals=c.transcendentals, bytes_accessed=2 * c.
                               bytes_accessed) for name, c in kernel_costs(*a).items()
@@ -284,9 +285,8 @@ def test_kernel_schedule_of_splash_kernels():
   r = kernel_schedule.schedule(impl="splash", knobs=attention.preset("softmax"), rows=2, seq_len=1024,
                                heads=8, head_dim=64, dtype="bfloat16", causal=True, segments=True,
                                topology="v5e:2x2")
-  assert attention_softmax.splash_block(1024) == 512
-  for kernel, name in (("forward", attention_softmax.SPLASH_FORWARD), ("backward",
-                                                                       attention_softmax.SPLASH_BACKWARD)):
+  assert softmax.splash_block(1024) == 512
+  for kernel, name in (("forward", softmax.SPLASH_FORWARD), ("backward", softmax.SPLASH_BACKWARD)):
     k = r[kernel]
     assert k["kernel"] == name and k["visible_steps"] == 2 * 8 * 3
     assert k["bundles_per_step"] > 500 and k["cycles"] == k["bundles_per_step"] * k["visible_steps"]
@@ -358,8 +358,8 @@ def test_kernel_schedule_of_linear_kernels():
   r = kernel_schedule.schedule(impl="pallas_linear", knobs=attention.preset("linear"), rows=2, seq_len=1024,
                                heads=2, head_dim=64, dtype="bfloat16", causal=True, segments=True,
                                topology="v5e:2x2")
-  declared = attention_linear.kernel_costs(True, (2, 2, 1024, 64), 2)
-  for kernel, name in (("forward", attention_linear.FORWARD), ("backward", attention_linear.BACKWARD)):
+  declared = linear.kernel_costs(True, (2, 2, 1024, 64), 2)
+  for kernel, name in (("forward", linear.FORWARD), ("backward", linear.BACKWARD)):
     k = r[kernel]
     assert k["kernel"] == name and k["visible_steps"] == 2 * 2 * 3
     assert k["bundles_per_step"] > 500 and k["cycles"] == k["bundles_per_step"] * k["visible_steps"]

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 from small import xla_flags
 
-from lm import run_log
+from lm.runtime import run_log
 
 HERE = os.path.dirname(__file__)
 

@@ -19,8 +19,9 @@ from small import small_config
 from configs import tiny
 from data_pipelines import pipeline, sources, storage
 from eval import compare, evaluate
-from lm import checkpointing, flops, metrics, model as model_lib, run_log, train
+from lm import checkpointing, flops, model as model_lib, train
 from lm.experiment import Experiment
+from lm.runtime import metrics, run_log
 
 
 @pytest.fixture(scope="module")

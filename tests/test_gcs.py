@@ -17,7 +17,7 @@ from gcs_emulator import Refusals
 from small import tensorboard_events
 
 from data_pipelines import records
-from lm import run_log
+from lm.runtime import run_log
 
 HERE = os.path.dirname(__file__)
 GRID_CONFIG = """

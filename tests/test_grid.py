@@ -16,7 +16,8 @@ from ml_collections import config_flags
 
 from configs import tiny
 from eval import grid, grid_summary
-from lm import metrics, run_log, stats
+from lm import stats
+from lm.runtime import metrics, run_log
 
 TINY = "configs/tiny.py"
 HERE = os.path.dirname(__file__)

@@ -1,7 +1,7 @@
 """Bytes moved by a compiled program's operations: everything the compiler counts, and what of it goes
 through HBM (an array whose layout names memory space S(1) is in a TPU chip's on-chip memory)."""
 
-from launch import hlo_bytes
+from launch.aot import hlo_bytes
 
 # The shape of what XLA compiles for x @ w1 @ w2 on a v5e chip: x prefetched into on-chip memory, the
 # [8192, 2048] hidden kept there, a piece of w2 sliced in asynchronously, the result written to HBM.

@@ -329,7 +329,7 @@ def test_processes_forward_sigterm(tmp_path):
                                              ("lm-eval", ("--workdir", "--step"))])
 def test_console_script_help_lists_its_flags(script, expected):
   # An installed console script's main module is a generated wrapper that defines no flags, so
-  # absl's --help listed none before lm.cli registered them under the wrapper's name.
+  # absl's --help listed none before lm.runtime.cli registered them under the wrapper's name.
   out = subprocess.run([str(Path(sys.executable).parent / script), "--help"], capture_output=True, text=True,
                        timeout=120)
   for flag in expected:

@@ -1,4 +1,4 @@
-"""One job per workdir (lm/ownership.py), with real lm-train processes: a second job stops at once
+"""One job per workdir (lm/runtime/ownership.py), with real lm-train processes: a second job stops at once
 naming the owner; a crashed owner's workdir is taken over (locally at once, on gs:// once its lease
 lapses)."""
 
@@ -16,7 +16,7 @@ import pytest
 from etils import epath
 from test_checkpoint import run_until, trainer
 
-from lm import ownership
+from lm.runtime import ownership
 
 LONG = 100_000  # steps: the owner is killed long before it would finish
 

@@ -1,4 +1,4 @@
-"""The run log in parts written whole (lm/run_log.py) and files written whole (data_pipelines/storage.py)."""
+"""The run log in parts written whole (lm/runtime/run_log.py) and files written whole (data_pipelines/storage.py)."""
 
 import os
 import re
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from data_pipelines import storage
-from lm import run_log
+from lm.runtime import run_log
 
 
 def test_parts_roll_over_and_read_back_in_order(tmp_path):
@@ -49,7 +49,7 @@ def test_no_log_names_the_fix(tmp_path):
 def test_a_crash_loses_at_most_the_last_seconds(tmp_path):
   script = f"""
 import os, signal, time
-from lm import metrics
+from lm.runtime import metrics
 writer = metrics.Writer({str(tmp_path)!r})
 writer.write(1, "train", {{"loss": 1.0}})
 time.sleep(3 * {run_log.FLUSH_SECONDS})

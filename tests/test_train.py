@@ -15,8 +15,9 @@ from small import FAST_CPU_COMPILE, small_config, xla_flags
 from configs import tiny
 from data_pipelines import pipeline, sources
 from eval import sample as eval_sample
-from lm import attention, checkpointing, cli, decode, run_log, train
+from lm import attention, checkpointing, decode, train
 from lm.experiment import Experiment
+from lm.runtime import cli, run_log
 
 
 def test_training_lowers_validation_loss_and_logs(small_corpus, tmp_path, capsys):

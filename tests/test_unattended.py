@@ -12,7 +12,7 @@ import ml_collections
 import pytest
 from etils import epath
 
-from lm import compilation_cache, goodput, wandb_log
+from lm.runtime import compilation_cache, goodput, wandb_log
 
 
 def test_compilation_cache_lives_in_the_workdir_or_where_configured(tmp_path):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from eval import compare, goodput as goodput_cli
-from lm import goodput, watchdog
+from lm.runtime import goodput, watchdog
 
 HERE = os.path.dirname(__file__)
 

@@ -6,7 +6,7 @@ which tiles sequences in blocks of 128 and takes an additive bias. splash: the P
 attention kernel (no bias), which keeps one log-sum-exp per query where flash attention keeps its row
 statistics broadcast over 128 lanes, and computes dq, dk and dv in one backward kernel: about 0.16 GB
 less HBM traffic per layer and step on a v5e chip for configs/c4_50m.py (docs/compile_table.md). None
-applies attention dropout. Which one runs where is lm/attention.py's table.
+applies attention dropout. Which one runs where is lm/attention/__init__.py's table.
 """
 
 import jax
@@ -17,7 +17,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
     splash_attention_mask as splash_mask,
 )
 
-from lm import attention_core as core
+from lm.attention import core
 
 PALLAS_BLOCK = 128
 SPLASH_MAX_BLOCK = 512

@@ -21,10 +21,12 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from launch import hlo_bytes, kernel_schedule
-from launch.topology import CHIPS, GiB, UsageError, topology_devices
-from lm import attention, attention_core, cli, cross_entropy, flops, sharding
+from launch.aot import hlo_bytes, kernel_schedule
+from launch.aot.topology import CHIPS, GiB, UsageError, topology_devices
+from lm import attention, cross_entropy, flops, sharding
+from lm.attention import core as attention_core
 from lm.experiment import Experiment
+from lm.runtime import cli
 
 
 def argument_bytes(exp: Experiment) -> int:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lm import attention_core as core
+from lm.attention import core
 
 CHUNK = 64
 # The kernels' square blocks: the largest of these that divides the length (fewer grid steps, each
@@ -37,7 +37,7 @@ DQ_ACC_LIMIT = 32 * 2**20
 def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
                    chunk: int = CHUNK) -> jax.Array:
   """attention_core.reference's contract with normalization none, value network linear, causal, no
-  bias and no dropout (lm/attention.py's table holds these limits)."""
+  bias and no dropout (lm/attention/__init__.py's table holds these limits)."""
   B, T, H, K = q.shape
   C = min(chunk, T)
   N = -(-T // C)

@@ -6,7 +6,7 @@ from typing import Any
 
 from etils import epath
 
-from lm import run_log
+from lm.runtime import run_log
 
 
 def format_duration(seconds: float) -> str:
@@ -24,7 +24,7 @@ def format_count(x: float) -> str:
 
 
 class Writer:
-  """Logs one JSON object per event to workdir/metrics/ (lm/run_log.py; read with run_log.read)
+  """Logs one JSON object per event to workdir/metrics/ (lm/runtime/run_log.py; read with run_log.read)
   and the numbers to TensorBoard (workdir/tensorboard, tag `kind/name`); only process 0 writes.
   Records reach storage within a few seconds, at each checkpoint and at close(). After a resume,
   steps between the checkpoint and the interruption may appear twice, the later one current."""

@@ -1,4 +1,4 @@
-"""Blocked attention: the core (lm/attention_core.py) tiled over query and key blocks, memory linear in
+"""Blocked attention: the core (lm/attention/core.py) tiled over query and key blocks, memory linear in
 sequence length.
 
 One [block, block] tile of scores (and, for the hypernetwork value network, one [batch, block, block, d]
@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lm import attention_core as core
+from lm.attention import core
 
 # Measured on CPU (benchmarks/attention.py): 64 beats 128 and 256 for HYLA forward+backward.
 BLOCK = 64

@@ -39,7 +39,7 @@ vector work, most of the time. dq is accumulated on chip too, for the whole row 
 output's block index stays put until then, so nothing is written before (it was a float32 partial per
 key block, written to HBM and summed by XLA: 1.4 GB per chip and step by the compiler's count for
 configs/c4_50m.py). Causal tiles wholly above the diagonal are neither computed nor fetched.
-No bias, no dropout: lm/attention.py's table sends those calls to the blocked kernel.
+No bias, no dropout: lm/attention/__init__.py's table sends those calls to the blocked kernel.
 
 Causal tiles on the diagonal are packed. In 8 groups of 16 queries, group m sees only the tile's first
 16 (m + 1) keys, so two groups whose keys add up to 128 share rows of 128 lanes, the second group's keys
@@ -49,13 +49,13 @@ weights are formed for the whole tile as before (by the schedule, backward 13,66
 diagonal grid step, forward 6,073 -> 4,365; with 2, 4 or 16 groups, backward 11,267, 10,651, 9,470 and
 forward 5,050, 4,535, 4,490). Each kernel holds a program for the whole tiles below the
 diagonal and one for the packed tiles on it (`_branches`); the compiler's schedule counts every branch
-of a program in every grid step, so launch/kernel_schedule.py builds each alone (`only`) and counts it
+of a program in every grid step, so launch/aot/kernel_schedule.py builds each alone (`only`) and counts it
 for the steps that run it.
 
 keep_z: the forward kernel also writes each visible tile's z to HBM, in the compute dtype, and the
 backward kernel reads it back instead of recomputing it: 16 of its 24 multiply-adds per (query, key,
 d) triple left on the vector unit, for [rows, visible tiles, BQ, d, BK] in memory per layer (20 MiB a
-row and layer at 512 tokens in bfloat16, growing with the square of the length; lm/attention.py's
+row and layer at 512 tokens in bfloat16, growing with the square of the length; lm/attention/__init__.py's
 table lets `auto` take it up to 512 tokens). For relu it keeps φ(z) instead (`_keeps_output`), from which
 the backward kernel has both what it needs: φ(z) itself, which goes to the MXU as kept, and φ', 1
 where φ(z) > 0. On TPU, for relu, the backward pass sees the same numbers either way: φ(z) reaches the
@@ -71,7 +71,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lm import attention_core as core
+from lm.attention import core
 
 # Of tiles of 16, 32, 64 and 128 queries, 128 has the fewest bundles per token in the compiler's
 # schedule for v5e (benchmarks/kernel_schedule.py; measured before the diagonal tiles were packed).
@@ -98,7 +98,7 @@ def attend_pallas_hypernetwork(q: jax.Array, k: jax.Array, v: jax.Array, *, knob
   interpreter (any backend). keep_z: z kept from the forward pass for the backward (module docstring).
   only: "below" or "diagonal" builds kernels that compute only those causal tiles, named
   `program_name(FORWARD or BACKWARD, only)`, to count each program's schedule alone
-  (launch/kernel_schedule.py): their results are not the attention."""
+  (launch/aot/kernel_schedule.py): their results are not the attention."""
   static = _Static(knobs, causal, interpret, keep_z, only)
   local = lambda q, k, v, seg, _: _attend(q, k, v, seg, static=static)
   return core.per_device(local, q, k, v, segment_ids, None, batch_axes, split_heads=False)
@@ -306,7 +306,7 @@ def heads_per_trip(H: int) -> int:
 
 def head_loop_trips(H: int) -> int:
   """Trips of `_da_dv_by_heads`'s loop, whose body the compiler's listing holds once
-  (launch/kernel_schedule.py counts it this many times)."""
+  (launch/aot/kernel_schedule.py counts it this many times)."""
   return H // heads_per_trip(H)
 
 

@@ -9,7 +9,7 @@ key; the others run only their control code) is then the kernel's cycles as sche
 DMA waits and latencies the schedule does not hide come on top.
 
 libtpu reads its dump flags once, when it loads, so `schedule` compiles in a child process
-(`python -m launch.kernel_schedule SPEC`), which prints the result as JSON.
+(`python -m launch.aot.kernel_schedule SPEC`), which prints the result as JSON.
 """
 
 import collections
@@ -24,11 +24,11 @@ import tempfile
 
 _NUMBERS = re.compile(r"^\s*\d+(\s+\d+)+\s*$")
 _INNER_LOOP = re.compile(r"^\s*0x[0-9a-f]+\s+[A-Z]*:\s*>>\s", re.M)
-# lm/attention.py's implementations that run Pallas kernels on TPU, and those whose kernels this times
+# lm/attention/__init__.py's implementations that run Pallas kernels on TPU, and those whose kernels this times
 # (not flash attention's, which softmax runs only with a position bias).
 PALLAS = ("pallas_hypernetwork_keep_z", "pallas_hypernetwork", "splash", "pallas_linear", "pallas")
 TIMED = PALLAS[:4]
-# Those whose kernels take a device's share of the heads under a tensor axis (lm.attention_core.per_device);
+# Those whose kernels take a device's share of the heads under a tensor axis (lm.attention.core.per_device);
 # HYLA's take every head on every chip, as RMSHead and z couple them.
 HEADS_SPLIT = ("splash", "pallas_linear")
 
@@ -60,7 +60,7 @@ def cross_entropy_schedule(*, tokens: int, width: int, vocab: int, dtype: str, t
 
 def _in_child(spec: dict) -> dict:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = subprocess.run([sys.executable, "-m", "launch.kernel_schedule",
+  result = subprocess.run([sys.executable, "-m", "launch.aot.kernel_schedule",
                            json.dumps(spec)], cwd=root, capture_output=True, text=True, env={
                                **os.environ, "JAX_PLATFORMS": "cpu"
                            })
@@ -86,7 +86,7 @@ def bundles(dump: str, kernel: str, loop_trips: int | None = None) -> int:
   body = len(_INNER_LOOP.findall(open(_last(f"{dump}/*{kernel}*-final_bundles.txt")).read()))
   if body and loop_trips is None:
     raise ValueError(f"{kernel}'s grid step holds a loop ({body} bundles at loop depth 2) whose trips "
-                     "the schedule is not told; name them in launch/kernel_schedule.py")
+                     "the schedule is not told; name them in launch/aot/kernel_schedule.py")
   return total + ((loop_trips or 1) - 1) * body
 
 
@@ -115,14 +115,9 @@ def _kernels(spec: dict, itemsize: int):
   loop inside each kernel's grid step). HYLA's causal kernels run one program on tiles below the
   diagonal and another on the diagonal: each is built and counted alone, for the steps that run it, as
   a kernel holding both would count both for every step. HYLA's backward kernel loops over heads
-  (lm.attention_hypernetwork.head_loop_trips)."""
-  from lm import (
-      attention,
-      attention_core,
-      attention_hypernetwork as hyper,
-      attention_linear as linear,
-      attention_softmax as softmax,
-  )
+  (lm.attention.hypernetwork.head_loop_trips)."""
+  from lm import attention
+  from lm.attention import core as attention_core, hypernetwork as hyper, linear, softmax
 
   rows, T, H, causal = spec["rows"], spec["seq_len"], spec["heads"], spec["causal"]
   no_loop = (None, None)
@@ -155,7 +150,7 @@ def _compile_and_read(spec: dict) -> dict:
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from launch import topology
+    from launch.aot import topology
 
     chip = topology.topology_devices(spec["topology"])[0]
     on_chip = SingleDeviceSharding(chip)

@@ -1,7 +1,7 @@
 """Attention: the named variants, the knobs, and the one table of implementations.
 
 `attend(q, k, v, *, normalization, value_network, ...)` maps q, k, v [batch, seq, heads, head_dim] to
-[batch, seq, heads, head_dim] by the core defined in lm/attention_core.py (scores, normalisation,
+[batch, seq, heads, head_dim] by the core defined in lm/attention/core.py (scores, normalisation,
 dropout, value network), through the implementation `impl` names. `IMPLS` below says what each
 implementation supports; validation (`check`), the choice of `impl="auto"` (`choose_impl`) and dispatch
 read it and nothing else. `impl="reference"` is the literal definition, the ground truth the others are
@@ -16,7 +16,7 @@ Where a change goes:
     lm/flops.py counts) and its branch in attention_core.apply_value_network, plus a test in
     tests/test_attention.py that builds it explicitly. A new φ: attention_core.NONLINEARITIES.
   - a new named variant: a row of PRESETS (the model config's `attention` names one).
-  - a new implementation: a module lm/attention_<name>.py that imports only lm/attention_core.py, a
+  - a new implementation: a module lm/attention_<name>.py that imports only lm/attention/core.py, a
     row of IMPLS stating what it supports and where `auto` may take it, and its comparison with the
     reference (values and gradients) in tests/test_attention_fast.py.
 """
@@ -27,15 +27,15 @@ from typing import NamedTuple
 
 import jax
 
-from lm import (
-    attention_blocked,
-    attention_core as core,
-    attention_hypernetwork,
-    attention_linear,
-    attention_softmax,
-    sharding,
+from lm import sharding
+from lm.attention import (
+    blocked,
+    core,
+    hypernetwork,
+    linear,
+    softmax,
 )
-from lm.attention_core import NONLINEARITIES, NORMALIZATIONS, VALUE_NETWORKS, Knobs, normalized_scores  # noqa: F401  (public)
+from lm.attention.core import NONLINEARITIES, NORMALIZATIONS, VALUE_NETWORKS, Knobs, normalized_scores  # noqa: F401  (public)
 
 # Paper section 2: the three main variants and the ablations, each a full setting of the knobs.
 PRESETS: dict[str, dict[str, str]] = {
@@ -93,50 +93,47 @@ KEEP_Z_UP_TO = 512
 
 # Table order is auto's preference.
 IMPLS: dict[str, Impl] = {
-    # The Pallas TPU splash-attention kernel (lm/attention_softmax.py), in a shard_map over the mesh.
+    # The Pallas TPU splash-attention kernel (lm/attention/softmax.py), in a shard_map over the mesh.
     "splash":
-        Impl(functools.partial(attention_softmax.attend_splash,
-                               batch_axes=sharding.BATCH), computes=("softmax",), bias=False, dropout=False,
-             tile=attention_softmax.PALLAS_BLOCK, auto={"tpu": None}),
-    # The Pallas TPU flash-attention kernel (lm/attention_softmax.py), in a shard_map over the mesh.
+        Impl(functools.partial(softmax.attend_splash, batch_axes=sharding.BATCH), computes=("softmax",),
+             bias=False, dropout=False, tile=softmax.PALLAS_BLOCK, auto={"tpu": None}),
+    # The Pallas TPU flash-attention kernel (lm/attention/softmax.py), in a shard_map over the mesh.
     "pallas":
-        Impl(functools.partial(attention_softmax.attend_pallas, batch_axes=sharding.BATCH),
-             computes=("softmax",), dropout=False, tile=attention_softmax.PALLAS_BLOCK, auto={"tpu": None}),
-    # The Pallas TPU kernels of the hypernetwork value network (lm/attention_hypernetwork.py), the
+        Impl(functools.partial(softmax.attend_pallas, batch_axes=sharding.BATCH), computes=("softmax",),
+             dropout=False, tile=softmax.PALLAS_BLOCK, auto={"tpu": None}),
+    # The Pallas TPU kernels of the hypernetwork value network (lm/attention/hypernetwork.py), the
     # forward pass keeping each tile's z for the backward: a third fewer of the backward kernel's
     # vector multiply-adds, for memory that grows with the square of the length (20 MiB a row and
     # layer at 512 tokens in bfloat16), so auto takes it up to 512 tokens only.
     "pallas_hypernetwork_keep_z":
         Impl(
-            functools.partial(attention_hypernetwork.attend_pallas_hypernetwork, batch_axes=sharding.BATCH,
+            functools.partial(hypernetwork.attend_pallas_hypernetwork, batch_axes=sharding.BATCH,
                               keep_z=True), computes=("hyla", "hyla_no_rms_head"), bias=False, dropout=False,
-            tile=attention_hypernetwork.BLOCK_K, memory_linear=False, auto={"tpu": KEEP_Z_UP_TO}),
+            tile=hypernetwork.BLOCK_K, memory_linear=False, auto={"tpu": KEEP_Z_UP_TO}),
     # The same kernels recomputing z in the backward pass: memory linear in the length.
     "pallas_hypernetwork":
-        Impl(functools.partial(attention_hypernetwork.attend_pallas_hypernetwork,
+        Impl(functools.partial(hypernetwork.attend_pallas_hypernetwork,
                                batch_axes=sharding.BATCH), computes=("hyla", "hyla_no_rms_head"), bias=False,
-             dropout=False, tile=attention_hypernetwork.BLOCK_K, auto={"tpu": None}),
-    # Linear attention in Pallas TPU kernels, quadratic as flash attention (lm/attention_linear.py): on
+             dropout=False, tile=hypernetwork.BLOCK_K, auto={"tpu": None}),
+    # Linear attention in Pallas TPU kernels, quadratic as flash attention (lm/attention/linear.py): on
     # TPU faster than the chunks below, whose XLA form writes their intermediates to HBM.
     "pallas_linear":
-        Impl(functools.partial(attention_linear.attend_pallas_linear,
-                               batch_axes=sharding.BATCH), computes=("linear",), bias=False, dropout=False,
-             tile=attention_linear.BLOCKS[-1], auto={"tpu": None}),
-    # Causal linear attention in O(t·d²) (lm/attention_linear.py).
+        Impl(functools.partial(linear.attend_pallas_linear, batch_axes=sharding.BATCH), computes=("linear",),
+             bias=False, dropout=False, tile=linear.BLOCKS[-1], auto={"tpu": None}),
+    # Causal linear attention in O(t·d²) (lm/attention/linear.py).
     "chunked":
-        Impl(attention_linear.attend_chunked, computes=("linear",), bidirectional=False, bias=False,
-             dropout=False, auto=ANYWHERE),
+        Impl(linear.attend_chunked, computes=("linear",), bidirectional=False, bias=False, dropout=False,
+             auto=ANYWHERE),
     # jax.nn.dot_product_attention: XLA's fusion, or cuDNN's flash attention on GPU.
     "dot_product":
-        Impl(attention_softmax.attend_dot_product, computes=("softmax",), dropout=False, memory_linear=False,
-             auto={
-                 "cpu": CPU_BLOCKED_FROM - 1,
-                 "gpu": None
-             }),
-    # Every setting, tiled over query and key blocks (lm/attention_blocked.py).
+        Impl(softmax.attend_dot_product, computes=("softmax",), dropout=False, memory_linear=False, auto={
+            "cpu": CPU_BLOCKED_FROM - 1,
+            "gpu": None
+        }),
+    # Every setting, tiled over query and key blocks (lm/attention/blocked.py).
     "blocked":
-        Impl(attention_blocked.attend_blocked, auto=ANYWHERE),
-    # The definition itself (lm/attention_core.py); auto's last resort, for cross-attention.
+        Impl(blocked.attend_blocked, auto=ANYWHERE),
+    # The definition itself (lm/attention/core.py); auto's last resort, for cross-attention.
     "reference":
         Impl(core.reference, cross=True, memory_linear=False, auto=ANYWHERE),
 }

@@ -10,7 +10,7 @@ q, k, v: [batch, seq, heads, head_dim] → out like q, in three steps (docs/pape
 `reference` is this definition written out with einsums; `per_device` runs a Pallas kernel on each
 device's shard of a mesh. The kernels (attention_blocked.py, attention_hypernetwork.py,
 attention_linear.py, attention_softmax.py) build on these functions and import nothing else of ours;
-lm/attention.py says which of them computes what.
+lm/attention/__init__.py says which of them computes what.
 """
 
 import dataclasses
