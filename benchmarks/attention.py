@@ -1,7 +1,7 @@
 """Forward+backward time and peak memory of each attention preset and implementation, as
 ratios to softmax attention through jax.nn.dot_product_attention measured in the same run.
 
-  python benchmarks/attention.py --seq_lens=256,1024,4096 --out=docs/attention_benchmark.md
+  python benchmarks/attention.py --seq_lens=256,1024,4096 --out=docs/results/attention_speed.md
 
 Time: the fastest of --repeats calls of a jitted gradient of sum(out) w.r.t. q, k, v (the minimum, as
 other processes on a shared host only ever add time). Memory: the compiled program's peak footprint from

@@ -6,7 +6,7 @@ Compiles an MLP's two products, x [tokens, 512] @ w1 [512, 2048], GELU, @ w2 [20
 for one chip of the topology, and prints the compiler's bytes accessed beside the bytes that go
 through HBM (launch/aot/hlo_bytes.py: an operand or result whose layout names on-chip memory is left out),
 where each array lives, the compiler's optimal time and the sum of its operations' estimated cycles
-(what lm-compile's step time adds up). docs/compile.md reads the output.
+(what lm-compile's step time adds up). docs/reference/compile.md reads the output.
 """
 
 import sys

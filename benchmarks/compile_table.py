@@ -1,11 +1,11 @@
 """lm-compile's numbers for the paper's C4 run, per attention variant and context length.
 
-  python benchmarks/compile_table.py --topology=v5e:4x4 --out=docs/compile_table.md
+  python benchmarks/compile_table.py --topology=v5e:4x4 --out=docs/results/compile_v5e.md
 
 Compiles the full configs/c4_50m.py train step for the topology (as `lm-compile` does) for every
 attention in --attentions at every context in --contexts. The token budget stays 130B: at context T
 the batch is 256 x 512 / T rows and the step count follows. Memory and FLOPs are the compiler's;
-step and run times are estimates from them (docs/compile.md), not measurements.
+step and run times are estimates from them (docs/reference/compile.md), not measurements.
 """
 
 import importlib.metadata
@@ -94,8 +94,8 @@ def main(argv):
               "chip's one core runs them, XLA's at the compiler's estimate of each and the Pallas "
               "kernels (the attention's and the cross-entropy's) as the TPU compiler scheduled them, "
               "collectives left out; the roofline, max(FLOPs / peak, the compiler's bytes / bandwidth) "
-              "of the rest plus the attention's kernels, was the estimate before (below). "
-              "docs/compile.md says how far to trust "
+              "of the rest plus the attention's kernels, is shown beside it. "
+              "docs/reference/compile.md says how far to trust "
               f"them. Made in {time.perf_counter() - start:.0f} s by\n\n"
               f"    python benchmarks/compile_table.py --topology={FLAGS.topology} "
               f"--attentions={','.join(FLAGS.attentions)} --contexts={','.join(FLAGS.contexts)} "

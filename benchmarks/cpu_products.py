@@ -6,7 +6,7 @@ For each [M, K] x [K, N] product: GFLOP/s in float32, with bfloat16 operands and
 and with bfloat16 operands and a float32 result (model.matmul_dtype="bfloat16"), each compiled with
 the config's cpu_library_fusion value given (`default`: "", XLA's own choice). Best of 5 rounds of 20 calls.
 Which form reaches a CPU's bfloat16 units (AMX, AVX-512 BF16) depends on the jaxlib and the fusion,
-so this is measured, not assumed (docs/compositional.md).
+so this is measured, not assumed (docs/results/compositional_throughput.md).
 """
 
 import json

@@ -1,7 +1,7 @@
 """Tokens per second the training pipeline delivers on this host, raw-text and pre-tokenized, set
 against what one host of a v5e-16 slice must feed the c4_50m config.
 
-  python benchmarks/data_throughput.py --out=docs/data_throughput.md
+  python benchmarks/data_throughput.py --out=docs/results/data_throughput.md
 
 Text: the embedded corpus's documents (Shakespeare's scenes, a few KB each, like C4 pages), prepared
 by `lm-prepare` into text shards and into pre-tokenized shards. Tokenizer: a 32,000-piece unigram

@@ -1,6 +1,6 @@
 """Decoding speed and decoding-state memory of each attention variant as the context grows.
 
-  python benchmarks/decode.py --out=docs/decode_benchmark.md
+  python benchmarks/decode.py --out=docs/results/decode_speed.md
 
 For every context length C (prompt plus generated tokens) and batch size: a random-init model of
 c4_50m's shape (float32) in decode mode over C positions, its decoding state at position C - n
@@ -93,7 +93,7 @@ def main(argv):
               f"tokens per second over the batch at the min, and the decoding state's size in MiB. The "
               f"context is prompt plus generated tokens; the timed tokens are its last ones. "
               f"`a+b+c`: a hybrid with one preset per layer, repeated over the layers. See "
-              f"docs/generation.md for what each variant keeps.\n\n"
+              f"[generation.md](../guides/generation.md) for what each variant keeps.\n\n"
               f"Command: `python benchmarks/decode.py {' '.join(sys.argv[1:])}`\n\n")
       f.write("\n".join(lines) + "\n")
 

@@ -1,7 +1,7 @@
 """Training throughput of our trainer against NanoDO's, same model, same batches, on this machine.
 
   flock /tmp/bench.lock python benchmarks/nanodo_side_by_side.py --nanodo_repo=NANODO_CHECKOUT \
-    [--steps=100] [--repeats=3] [--out=docs/nanodo_side_by_side.md]
+    [--steps=100] [--repeats=3] [--out=docs/results/nanodo_throughput.md]
 
 The model of both: vocabulary 8,192, width 256, 4 heads, 4 layers, MLP 1,024, learned positions,
 tied embeddings, float32, context 256, batch 16 (NanoDO's architecture: pre-LayerNorm without biases,

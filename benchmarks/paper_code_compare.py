@@ -1,8 +1,8 @@
 """The paper's own code against ours on fuzzy logic at one budget: a table (printed), a JSON and a
 plot of held-out R² over seeds, from runs of benchmarks/paper_code_run.py and one of our grid summaries.
 
-  python benchmarks/paper_code_compare.py --paper_runs=DIR --ours=docs/compositional_fuzzy_640k.json \
-      --out=docs/compositional_fuzzy_640k_paper_code
+  python benchmarks/paper_code_compare.py --paper_runs=DIR --ours=docs/results/compositional_fuzzy_640k.json \
+      --out=docs/results/compositional_fuzzy_640k_paper_code
 
 DIR holds <model>_seed<seed>.log files, each paper_code_run.py's output. The two codes name the
 held-out sets differently: its "test" is the held-out combinations of known terms (our "ood"), its

@@ -1,6 +1,6 @@
 """Time to the first step of a restarted run, with and without JAX's persistent compilation cache.
 
-  flock /tmp/bench.lock python benchmarks/restart_compile.py --out=docs/restart_compile.md
+  flock /tmp/bench.lock python benchmarks/restart_compile.py --out=docs/results/restart_compile.md
 
 For each model: one `lm-train` run of 3 steps saves checkpoints at steps 2 and 3 and fills a
 compilation cache. Then restarts, alternating with the cache (`--config.compilation_cache=DIR`) and
