@@ -10,7 +10,6 @@ Every point trains with lm-train into ROOT/<preset>_seed<seed>[_<field>=<value>.
 go to ROOT/<point>/point.json, and the summary of every finished point is rewritten after each. Rerunning the
 same command keeps finished points and resumes interrupted ones from their checkpoints. The summary
 (eval/grid_summary.py) goes to ROOT/summary.md, summary.json and the plots beside them.
-`lm-sweep` and `lm-ablate` are this command too (their old flags --attentions and --workdir still work).
 """
 
 import itertools
@@ -382,9 +381,6 @@ def run():
   flags.DEFINE_integer(
       "latent_paper_examples", 0, "Instances per set of the paper code's latent "
       "protocol (lm-latent --paper_examples); 0: lm-latent's default.")
-  # The names lm-sweep and lm-ablate used.
-  flags.DEFINE_alias("attentions", "presets")
-  flags.DEFINE_alias("workdir", "root")
   flags.mark_flags_as_required(["config", "root"])
   cli.run(main, __name__)
 

@@ -67,8 +67,6 @@ class ModelConfig:
   remat: str = "none"  # a name in REMATS
 
   def __post_init__(self):
-    if isinstance(self.remat, bool):  # configs saved before remat named what it recomputes
-      object.__setattr__(self, "remat", "block" if self.remat else "none")
     if self.remat not in REMATS:
       raise ValueError(f"unknown model.remat {self.remat!r}; choose one of: {', '.join(REMATS)}")
     if self.residual_init not in RESIDUAL_INITS:
@@ -97,6 +95,12 @@ class ModelConfig:
                        f"model.relative_buckets={self.relative_buckets}")
     if self.positions == "rotary" and (qkv // self.H) % 2:
       raise ValueError(f"rotary positions need an even head width, got {qkv // self.H}")
+
+  @classmethod
+  def defaults(cls) -> dict[str, Any]:
+    """Every field that has a default, with it: the one place model defaults live (configs/base.py
+    builds its model section from this)."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
   @classmethod
   def from_dict(cls, fields: dict[str, Any]) -> "ModelConfig":

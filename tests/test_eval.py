@@ -184,8 +184,8 @@ def test_compare_flops_wall_clock_and_seed_bands(tmp_path):
           start(1000.0),
           evaluation(20, 1030.0, 40.0 + 2 * seed)
       ]
-      # A log in the single-file format of earlier versions, which readers still accept.
-      (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+      (workdir / "metrics").mkdir()
+      (workdir / "metrics" / "part-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
       workdirs.append(str(workdir))
   out = tmp_path / "cmp.png"
   text = compare.compare(workdirs, str(out))

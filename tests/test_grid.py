@@ -286,12 +286,12 @@ def run(cmd, **kw):
 
 def test_lm_grid_space_overrides_resume_and_summary(small_corpus, tmp_path):
   """Issue 19 item 3: with `--config.model.D 48` the 'linear' run trained softmax. Old flag names
-  (--attentions, --workdir) still work."""
+  """
   config = tmp_path / "config.py"
   config.write_text(SMALL.format(corpus=str(small_corpus)))
   root = tmp_path / "grid"
   cmd = [
-      f"--config={config}", "--attentions=softmax,linear", f"--workdir={root}", "--config.model.D", "48",
+      f"--config={config}", "--presets=softmax,linear", f"--root={root}", "--config.model.D", "48",
       "--config.train.warmup_steps", "3"
   ]
   first = run(cmd)

@@ -238,9 +238,6 @@ def test_remat_mlp_keeps_no_hidden_for_the_backward_pass(capsys):
 
 
 def test_remat_names_what_it_recomputes():
-  # Configs saved before remat took a name held a bool: they still load, meaning the same.
-  assert model_lib.ModelConfig(V=50, remat=True).remat == "block"
-  assert model_lib.ModelConfig(V=50, remat=False).remat == "none"
   with pytest.raises(ValueError, match="unknown model.remat 'mpl'; choose one of: none, mlp, block"):
     model_lib.ModelConfig(V=50, remat="mpl")
 

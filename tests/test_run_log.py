@@ -30,13 +30,16 @@ def test_parts_roll_over_and_read_back_in_order(tmp_path):
   assert run_log.read(tmp_path) == records
 
 
-def test_an_old_single_file_log_is_read_first_and_a_cut_line_skipped(tmp_path, caplog):
-  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "kind": "train"}\n{"step": 2, "ki')
+def test_a_cut_line_is_skipped_and_an_old_single_file_log_is_not_read(tmp_path, caplog):
+  (tmp_path / "metrics").mkdir()
+  cut = tmp_path / "metrics" / "00000000T000000-00000.jsonl"  # sorts before the writer's part
+  cut.write_text('{"step": 1, "kind": "train"}\n{"step": 2, "ki')
+  (tmp_path / "metrics.jsonl").write_text('{"step": 0, "kind": "train"}\n')  # the removed format
   log = run_log.JsonLog(tmp_path)
   log.write({"step": 3, "kind": "train"})
   log.close()
   assert [r["step"] for r in run_log.read(tmp_path)] == [1, 3]
-  assert f"{tmp_path / 'metrics.jsonl'}, line 2: not a JSON record" in caplog.text
+  assert f"{cut}, line 2: not a JSON record" in caplog.text
 
 
 def test_no_log_names_the_fix(tmp_path):

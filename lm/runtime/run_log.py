@@ -4,8 +4,7 @@ Layout: `workdir/metrics/<writer start, UTC>-<part>.jsonl`, one JSON object per 
 event files `workdir/tensorboard/events.out.tfevents.<writer start>.<host>.<part>`. A writer keeps its
 current part in memory and rewrites it whole every few seconds (a background thread) and at close;
 past a size it starts the next part. A crash loses at most the last few seconds, a reader never sees
-a partial part, and no part is appended to or renamed. Runs logged by earlier versions into one
-`workdir/metrics.jsonl` are read too, before the parts.
+a partial part, and no part is appended to or renamed.
 """
 
 import datetime
@@ -26,7 +25,6 @@ from tensorboardX.record_writer import masked_crc32c
 from data_pipelines import storage
 
 LOG_DIR = "metrics"
-LEGACY_LOG = "metrics.jsonl"
 FLUSH_SECONDS = 2.0  # at most one write per object every 2 s: GCS allows about one a second
 PART_BYTES = 256 << 10  # bounds each rewrite (and the old copies a bucket's soft delete keeps)
 
@@ -137,15 +135,14 @@ def _record(event: event_pb2.Event) -> bytes:
 
 def log_files(workdir: str | epath.Path) -> list[epath.Path]:
   """The files holding workdir's log, in the order they were written."""
-  workdir = epath.Path(workdir)
-  legacy = workdir / LEGACY_LOG
-  return ([legacy] if legacy.exists() else []) + sorted((workdir / LOG_DIR).glob("*.jsonl"))
+  return sorted((epath.Path(workdir) / LOG_DIR).glob("*.jsonl"))
 
 
 def read(workdir: str | epath.Path) -> list[dict[str, Any]]:
   """Every record of workdir's log in the order written (after a resume, the steps between the
   checkpoint and the interruption appear twice, the later one current). A line that does not
-  parse (an old single-file log cut by a crash) is skipped with a warning naming file and line."""
+  parse (a part cut by a crash mid-write on a local disk) is skipped with a warning naming file and
+  line."""
   files = log_files(workdir)
   if not files and epath.Path(workdir).is_file():
     raise ValueError(f"{workdir} is a file, not a training workdir; give the directory that "
