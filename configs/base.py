@@ -2,20 +2,18 @@
 
 import ml_collections
 
+from lm import model as model_lib
+
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.task = "lm"  # a name in lm.tasks.TASKS
-  # Fields of lm.model.ModelConfig; `attention` is a name in lm.attention.PRESETS, or one per layer /
-  # a repeating pattern ("hyla,hyla,hyla,softmax"; lm.model.layer_presets).
+  # Every field of lm.model.ModelConfig, with its defaults (defined there only), at the paper's C4 model
+  # size; `attention` is a name in lm.attention.PRESETS, or one per layer / a repeating pattern
+  # ("hyla,hyla,hyla,softmax"; lm.model.layer_presets).
   c.model = ml_collections.ConfigDict(
-      dict(V=32_000, D=512, H=8, L=6, F=2048, qkv_dim=0, attention="softmax", attention_impl="auto",
-           attention_dropout=0.0, causal=True, positions="rotary", max_len=2048, rope_base=10_000.0,
-           rope_by_product=False, relative_buckets=32, relative_max_distance=128, relative_bidirectional=True,
-           relative_bias_per_layer=False, relative_bias_std=0.02, projection_bias=False,
-           residual_init="depth", tied_embeddings=False, input_dim=0, dtype="float32", matmul_dtype="",
-           remat="none"))
+      dict(model_lib.ModelConfig.defaults(), V=32_000, D=512, H=8, L=6, F=2048))
   c.data = ml_collections.ConfigDict(
       dict(
           source="shakespeare",  # the embedded corpus, prepared into `dir` on first use

@@ -12,7 +12,7 @@ ALLOWED = {
     "eval": {"lm", "data_pipelines"},
     "lm": {"data_pipelines"},
     "data_pipelines": set(),
-    "configs": {"data_pipelines"}
+    "configs": {"lm", "data_pipelines"}
 }
 # Every module of the attention wing but the public entry, the definition and the decoding states is a
 # kernel, and may import only the definition.
