@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from data_pipelines import pipeline, storage
-from lm import checkpointing, flops
+from lm import checkpointing, experiment, flops
 from lm.experiment import Experiment
 from lm.runtime import cli, compilation_cache, goodput, metrics, ownership, wandb_log, watchdog
 
@@ -296,6 +296,10 @@ def _out_of_memory(e: BaseException) -> str | None:
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
+  try:  # before the watchdog reads its durations and the lock creates the workdir
+    experiment.check_counts(FLAGS.config)
+  except ValueError as e:
+    raise SystemExit(f"lm-train: {e}") from None
   watchdog.start(FLAGS.config.watchdog)  # First: joining the other processes can hang too.
   if FLAGS.jax_distributed:
     jax.distributed.initialize()

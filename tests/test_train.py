@@ -15,7 +15,7 @@ from small import FAST_CPU_COMPILE, small_config, xla_flags
 from configs import tiny
 from data_pipelines import pipeline, sources
 from eval import sample as eval_sample
-from lm import attention, checkpointing, decode, train
+from lm import attention, checkpointing, decode, experiment, train
 from lm.experiment import Experiment
 from lm.runtime import cli, run_log
 
@@ -167,6 +167,57 @@ def test_rates_and_warmup_out_of_range_are_refused(field, value):
   bound = "above 0; set --config.train.lr=X" if name == "lr" else "0 or more; set --config.train.warmup_steps=N"
   with pytest.raises(ValueError, match=rf"^{field}={value} must be {re.escape(bound)}$"):
     Experiment(c)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("checkpoint.keep", 0, "counts something and must be a whole number of at least 1 (0 deleted every "
+     "checkpoint, the final one included); set --config.checkpoint.keep=N"),
+    ("checkpoint.keep", -1, "counts something"),
+    ("checkpoint.keep_every", -2, "must be 0 or more; set --config.checkpoint.keep_every=N"),
+    ("data.packing_bins", 0, "counts something"),
+    ("data.threads", -1, "must be 0 or more"),
+    ("data.shards", -1, "must be 0 or more"),
+    ("model.max_len", 0, "counts something"),
+    ("eval.final_batches", 0, "counts something"),
+    ("train.lr", float("nan"), "must be a finite number; set --config.train.lr=X"),
+    ("train.lr", float("inf"), "must be a finite number"),
+    ("train.grad_clip", -1.0, "must be 0 or more; set --config.train.grad_clip=X"),
+    ("train.b2", 1.0, "must be at least 0 and below 1; set --config.train.b2=X"),
+    ("model.attention_dropout", -0.1, "must be at least 0 and below 1"),
+    ("watchdog.step_secs", -5.0, "must be 0 or more seconds (watchdog.step_secs=0 turns the watchdog off)"),
+    ("watchdog.first_step_secs", float("nan"), "must be a finite number"),
+    ("watchdog.first_step_secs", 0.0, "must be above 0 while the watchdog is on"),
+    ("cpu_devices", -2, "must be 0 or more; set --config.cpu_devices=N"),
+])
+def test_every_count_rate_and_duration_is_checked_by_name(field, value, words):
+  """checkpoint.keep=0 deleted every checkpoint, the final one included, and exited 0; a negative
+  watchdog timeout turned the watchdog off without a word."""
+  c = tiny.get_config()
+  *sections, name = field.split(".")
+  (c[sections[0]] if sections else c)[name] = value
+  with pytest.raises(ValueError, match=rf"^{re.escape(field)}={re.escape(repr(value))} {re.escape(words)}"):
+    Experiment(c)
+
+
+def test_compositional_configs_pass_the_checks():
+  from configs import fuzzy_logic, sraven  # pylint: disable=import-outside-toplevel
+  for module in (tiny, sraven, fuzzy_logic):
+    experiment.check_counts(module.get_config())
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["--config.checkpoint.keep=0", "--config.watchdog.step_secs=-1", "--config.train.microbatches=3"])
+def test_a_refused_config_writes_nothing(tmp_path, override):
+  """Refused configs used to leave a workdir holding the lock files (and keep=0 to train, then delete
+  every checkpoint); now the line comes before any file is written."""
+  workdir = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, "-m", "lm.train", "--config=configs/tiny.py", f"--workdir={workdir}", override],
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1, result.stderr
+  assert result.stderr.startswith("lm-train: ") and result.stderr.count("\n") == 1, result.stderr
+  assert not workdir.exists()
 
 
 def test_running_out_of_device_memory_names_the_knobs():
