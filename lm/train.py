@@ -89,6 +89,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: epath.Path):
   ckpt = checkpointing.Checkpointer(workdir, config.checkpoint)
   latest = ckpt.latest_step()
   if latest is not None and latest > config.train.steps:
+    if problem := checkpointing.not_a_checkpoint(workdir, latest):  # not a run's later step at all
+      raise ValueError(problem)
     # Resuming would evaluate the later parameters and label them with the earlier step.
     raise ValueError(f"{workdir} holds a checkpoint at step {latest}, past train.steps="
                      f"{config.train.steps}; set --config.train.steps={latest} or more to go on "
