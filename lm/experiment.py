@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from data_pipelines import pipeline
 from lm import cross_entropy, model as model_lib, optimizer as optimizer_lib, rounding, sharding, stats, tasks
+from lm.attention import IMPLS as ATTENTION_IMPLS
 
 
 @flax.struct.dataclass
@@ -161,7 +162,7 @@ class Experiment:
     if config.eval.batch_size % shards:
       raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the {shards} "
                        f"batch shards of the mesh (data x fsdp); choose a multiple of {shards}")
-    platform = self.mesh.devices.flat[0].platform
+    platform = self.platform = self.mesh.devices.flat[0].platform
     self.compiler_options = cpu_compiler_options(config.get("cpu_library_fusion", ""), platform)
     micro = microbatch_compiler_options(k, platform, libtpu_version() if platform == "tpu" else None)
     self.train_compiler_options = {**(self.compiler_options or {}), **micro} or None
@@ -188,6 +189,16 @@ class Experiment:
     # partitions the step.
     self.sums_on_devices = platform == "cpu" and shards > 1 and all(
         s.is_fully_replicated for s in jax.tree.leaves(self.state_shardings.params))
+
+  def check_kernels_run_here(self) -> None:
+    """An explicit TPU kernel (model.attention_impl=pallas, splash, ...) on other devices stops with a
+    line naming the field and the choices that run here, not Pallas's own sentence at the first step."""
+    impl = self.model_cfg.attention_impl
+    here = [name for name, row in ATTENTION_IMPLS.items() if self.platform in row.auto]
+    if impl != "auto" and impl in ATTENTION_IMPLS and impl not in here:
+      raise ValueError(
+          f"model.attention_impl={impl!r} runs on TPU only, and this run's devices are "
+          f"{self.platform}; set --config.model.attention_impl to one of: auto, {', '.join(here)}")
 
   def _init_boxed(self, rng: jax.Array) -> TrainState:
     # One row of the run's own length: initialisation runs the attention kernels the run will use,
