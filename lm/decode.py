@@ -7,6 +7,7 @@ continuation must fit in it (`check_context`); nothing is extrapolated.
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,9 @@ class Sampling:
   top_p: float = 1.0
 
   def __post_init__(self):
+    for name in ("temperature", "top_p"):
+      if not math.isfinite(getattr(self, name)):
+        raise ValueError(f"--{name} must be a finite number, got {getattr(self, name)}")
     if self.temperature < 0:
       raise ValueError(f"--temperature must be at least 0 (0: greedy), got {self.temperature}")
     if self.top_k < 0:
@@ -36,7 +40,9 @@ def sample(logits_bv: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arra
   """One token id per row [B] from float32 logits [B, V]."""
   if sampling.temperature == 0:
     return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-  logits_bv = logits_bv / sampling.temperature
+  # From the row's largest logit down: a temperature so small that the quotients overflow leaves the
+  # largest at 0 and the others at -inf, which samples the argmax (greedy), not NaN.
+  logits_bv = (logits_bv - jnp.max(logits_bv, axis=-1, keepdims=True)) / sampling.temperature
   if sampling.top_k and sampling.top_k < logits_bv.shape[-1]:
     kth_b1 = jax.lax.top_k(logits_bv, sampling.top_k)[0][:, -1:]
     logits_bv = jnp.where(logits_bv < kth_b1, -jnp.inf, logits_bv)

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from data_pipelines import pipeline
 from lm import cross_entropy, model as model_lib, optimizer as optimizer_lib, rounding, sharding, stats, tasks
+from lm.attention import IMPLS as ATTENTION_IMPLS
 
 
 @flax.struct.dataclass
@@ -31,29 +32,70 @@ class TrainState:
 
 
 # Fields that count something: each must be a whole number of at least 1 (where a config has it).
-COUNTS = ("model.V", "model.D", "model.H", "model.L", "model.F", "data.seq_len", "train.steps",
-          "train.batch_size", "train.microbatches", "train.log_every_steps", "eval.every_steps",
-          "eval.batch_size", "checkpoint.every_steps")
+COUNTS = ("model.V", "model.D", "model.H", "model.L", "model.F", "model.max_len", "model.relative_buckets",
+          "model.relative_max_distance", "data.seq_len", "data.packing_bins", "data.num_vars",
+          "data.num_terms", "train.steps", "train.instances", "train.batch_size", "train.microbatches",
+          "train.log_every_steps", "eval.every_steps", "eval.batch_size", "eval.batches",
+          "eval.final_batches", "checkpoint.every_steps", "checkpoint.keep")
+# Whole numbers where 0 means none, off or the default (a negative one was taken without a word).
+WHOLE = ("train.warmup_steps", "checkpoint.keep_every", "data.shards", "data.threads", "model.qkv_dim",
+         "model.input_dim", "cpu_devices")
+# Numbers that must be above zero: a learning rate of 0 trains nothing, a negative one climbs the loss.
+POSITIVE = ("train.lr", "train.eps", "model.rope_base")
+# Numbers that must not be negative.
+NOT_NEGATIVE = ("train.grad_clip", "train.weight_decay", "train.end_lr_frac")
+# Fractions: from 0 up to, not including, 1.
+FRACTIONS = ("model.attention_dropout", "train.b1", "train.b2")
+# Durations in seconds: 0 turns the watchdog off; a negative one used to turn it off silently.
+DURATIONS = ("watchdog.step_secs", "watchdog.first_step_secs")
+# What a value out of range would have done, where it is not plain.
+WHY = {"checkpoint.keep": " (0 deleted every checkpoint, the final one included)"}
 
-# Fields that must be above zero: a learning rate of 0 trains nothing, a negative one climbs the loss.
-POSITIVE = ("train.lr",)
-# Fields that must not be negative (optax takes a negative warmup without a word).
-NOT_NEGATIVE = ("train.warmup_steps",)
+
+def _get(config: ml_collections.ConfigDict, name: str):
+  *sections, field = name.split(".")
+  for section in sections:
+    if section not in config:
+      return None
+    config = config[section]
+  return config.get(field)
+
+
+def _number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_counts(config: ml_collections.ConfigDict) -> None:
-  for name in COUNTS + POSITIVE + NOT_NEGATIVE:
-    section, field = name.split(".")
-    value = config[section].get(field) if section in config else None
+  """Every count, rate, fraction and duration of the config in its range, all checked together before
+  anything starts (a workdir, a lock, the data): one line naming the field and the fix."""
+  for name in COUNTS + WHOLE + POSITIVE + NOT_NEGATIVE + FRACTIONS + DURATIONS:
+    value = _get(config, name)
     if value is None:
       continue
+    if name in COUNTS + WHOLE:
+      least = 1 if name in COUNTS else 0
+      if not (_number(value) and float(value).is_integer() and value >= least):
+        whole = _number(value) and float(value).is_integer()
+        what = ("counts something and must be a whole number of at least 1"
+                if least else "must be 0 or more" if whole else "must be a whole number, 0 or more")
+        raise ValueError(f"{name}={value!r} {what}{WHY.get(name, '')}; set --config.{name}=N")
+      continue
+    if not _number(value) or math.isnan(value) or (name not in DURATIONS and math.isinf(value)):
+      raise ValueError(f"{name}={value!r} must be a finite number; set --config.{name}=X")
     if name in POSITIVE and not value > 0:
       raise ValueError(f"{name}={value!r} must be above 0; set --config.{name}=X")
     if name in NOT_NEGATIVE and value < 0:
-      raise ValueError(f"{name}={value!r} must be 0 or more; set --config.{name}=N")
-    if name in COUNTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-      raise ValueError(f"{name}={value!r} counts something and must be a whole number of at least "
-                       f"1; set --config.{name}=N")
+      raise ValueError(f"{name}={value!r} must be 0 or more; set --config.{name}=X")
+    if name in FRACTIONS and not 0 <= value < 1:
+      raise ValueError(f"{name}={value!r} must be at least 0 and below 1; set --config.{name}=X")
+    if name in DURATIONS and value < 0:
+      raise ValueError(f"{name}={value!r} must be 0 or more seconds (watchdog.step_secs=0 turns the "
+                       f"watchdog off); set --config.{name}=S")
+  watch = config.get("watchdog")
+  if watch and _number(watch.get("step_secs")) and watch.step_secs > 0 and not watch.first_step_secs > 0:
+    raise ValueError(f"watchdog.first_step_secs={watch.first_step_secs!r} must be above 0 while the watchdog "
+                     f"is on (it would stop the run before its first step); set "
+                     f"--config.watchdog.first_step_secs=S, or watchdog.step_secs=0 to turn it off")
 
 
 # The kinds of operations XLA's CPU backend may hand to YNNPACK (config.cpu_library_fusion).
@@ -120,7 +162,7 @@ class Experiment:
     if config.eval.batch_size % shards:
       raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the {shards} "
                        f"batch shards of the mesh (data x fsdp); choose a multiple of {shards}")
-    platform = self.mesh.devices.flat[0].platform
+    platform = self.platform = self.mesh.devices.flat[0].platform
     self.compiler_options = cpu_compiler_options(config.get("cpu_library_fusion", ""), platform)
     micro = microbatch_compiler_options(k, platform, libtpu_version() if platform == "tpu" else None)
     self.train_compiler_options = {**(self.compiler_options or {}), **micro} or None
@@ -147,6 +189,16 @@ class Experiment:
     # partitions the step.
     self.sums_on_devices = platform == "cpu" and shards > 1 and all(
         s.is_fully_replicated for s in jax.tree.leaves(self.state_shardings.params))
+
+  def check_kernels_run_here(self) -> None:
+    """An explicit TPU kernel (model.attention_impl=pallas, splash, ...) on other devices stops with a
+    line naming the field and the choices that run here, not Pallas's own sentence at the first step."""
+    impl = self.model_cfg.attention_impl
+    here = [name for name, row in ATTENTION_IMPLS.items() if self.platform in row.auto]
+    if impl != "auto" and impl in ATTENTION_IMPLS and impl not in here:
+      raise ValueError(
+          f"model.attention_impl={impl!r} runs on TPU only, and this run's devices are "
+          f"{self.platform}; set --config.model.attention_impl to one of: auto, {', '.join(here)}")
 
   def _init_boxed(self, rng: jax.Array) -> TrainState:
     # One row of the run's own length: initialisation runs the attention kernels the run will use,

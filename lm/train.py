@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from data_pipelines import pipeline, storage
-from lm import checkpointing, flops
+from lm import checkpointing, experiment, flops
 from lm.experiment import Experiment
 from lm.runtime import cli, compilation_cache, goodput, metrics, ownership, wandb_log, watchdog
 
@@ -85,10 +85,13 @@ def _setup(config: ml_collections.ConfigDict, workdir: epath.Path):
   if workdir.exists() and not workdir.is_dir():
     raise ValueError(f"--workdir={workdir} is a file; give a directory (it is created if missing)")
   exp = Experiment(config)
+  exp.check_kernels_run_here()
   data = HostData(exp)
   ckpt = checkpointing.Checkpointer(workdir, config.checkpoint)
   latest = ckpt.latest_step()
   if latest is not None and latest > config.train.steps:
+    if problem := checkpointing.not_a_checkpoint(workdir, latest):  # not a run's later step at all
+      raise ValueError(problem)
     # Resuming would evaluate the later parameters and label them with the earlier step.
     raise ValueError(f"{workdir} holds a checkpoint at step {latest}, past train.steps="
                      f"{config.train.steps}; set --config.train.steps={latest} or more to go on "
@@ -161,7 +164,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path) 
       "num_params": exp.num_params,
       "tokens_per_step": tokens_per_step
   })
-  progress = metrics.Progress(steps, tokens_per_step, first, flops_per_token, flops.peak_flops(jax.devices()))
+  # A CPU's "peak" is a matmul measured now, which a step can beat: the column is named for what it is.
+  label = "of measured matmul" if jax.devices()[0].platform == "cpu" else "MFU"
+  progress = metrics.Progress(steps, tokens_per_step, first, flops_per_token, flops.peak_flops(jax.devices()),
+                              label)
   requests = StopRequests()
   clock.enter("training")
 
@@ -296,6 +302,10 @@ def _out_of_memory(e: BaseException) -> str | None:
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
+  try:  # before the watchdog reads its durations and the lock creates the workdir
+    experiment.check_counts(FLAGS.config)
+  except ValueError as e:
+    raise SystemExit(f"lm-train: {e}") from None
   watchdog.start(FLAGS.config.watchdog)  # First: joining the other processes can hang too.
   if FLAGS.jax_distributed:
     jax.distributed.initialize()

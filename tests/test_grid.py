@@ -4,8 +4,10 @@ fuzzy logic) that resume."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +88,7 @@ def test_space_and_equals_overrides_give_the_same_runs():
     (dict(presets=["hyla2"]), "unknown attention preset 'hyla2'; choose from: softmax, linear, hyla"),
     (dict(presets=[]), "unknown attention preset (none given)"),
     (dict(seeds=["a"]), "seeds are integers"),
+    (dict(seeds=["0", "00"]), "--seeds=0,00 repeats seed 0 (as 0 and 00); give each seed once"),
     (dict(axes={"train.lrr": ["1e-3"]}), "has no field train.lrr (did you mean lr?)"),
     (dict(overrides=["--config.model.DD=3"]), "has no field model.DD"),
     (dict(axes={"train.lr": ["fast"]}), "flag --config.train.lr=fast: could not convert string to float"),
@@ -130,6 +133,35 @@ def test_a_root_of_another_grid_is_refused(tmp_path):
   (tmp_path / "notes.txt").write_text("a file")
   with pytest.raises(grid.GridError, match=r"^--root=.*notes.txt is a file; give a directory"):
     grid.grid(overrides=[], axes={}, **{**args, "root": str(tmp_path / "notes.txt")})
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_sigterm_stops_the_grid_after_the_current_point(tmp_path, monkeypatch, capsys, finished):
+  """A SIGTERM during a point's final evaluation was lost (the trainer finished, and the grid trained
+  the next point whole); one during training made lm-grid exit 1 where lm-train exits 0."""
+  ran = []
+
+  def point(p, workdir, config_file, latent_args):
+    del workdir, config_file, latent_args
+    ran.append(p["name"])
+    os.kill(os.getpid(), signal.SIGTERM)  # the trainer gets it too, and saves
+    time.sleep(0.1)
+    if not finished:
+      raise SystemExit(f"lm-grid: {p['name']} stopped at step 2 of 4 (stopped or preempted); rerun the same "
+                       f"command to resume it from there")
+
+  monkeypatch.setattr(grid, "run_point", point)
+  monkeypatch.setattr(grid.grid_summary, "write", lambda *args: "")
+  previous = signal.signal(signal.SIGTERM, lambda *args: None)  # without the grid's own: not the test's end
+  try:
+    with pytest.raises(SystemExit) as e:
+      grid.grid(TINY, [], ["softmax", "linear"], ["0"], {}, str(tmp_path / "root"))
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert e.value.code == 0 and ran == ["softmax_seed0"]
+  saved = "its checkpoint is saved" if not finished else "it finished"
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      f"lm-grid: preempted (SIGTERM) after point softmax_seed0 ({saved}); rerun the same command to go on")
 
 
 def test_hybrids_are_named_with_plus_in_the_grid(tmp_path):

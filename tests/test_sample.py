@@ -119,6 +119,22 @@ def test_top_k_and_top_p_keep_the_likeliest_tokens():
   assert draws(decode.Sampling(temperature=0)) == {0}
 
 
+@pytest.mark.parametrize("field, value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                          ("top_p", float("nan"))])
+def test_non_finite_sampling_values_are_refused(field, value):
+  """--temperature=nan printed the prompt with an empty continuation and exit 0."""
+  with pytest.raises(ValueError, match=rf"^--{field} must be a finite number"):
+    decode.Sampling(**{field: value})
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-8])
+def test_a_tiny_temperature_decodes_greedily(temperature):
+  """Logits divided by 1e-40 overflowed to inf and NaN: an empty continuation."""
+  logits_bv = jax.random.normal(jax.random.key(0), (16, 50)) * 10
+  got = decode.sample(logits_bv, jax.random.key(1), decode.Sampling(temperature=temperature, top_p=0.9))
+  np.testing.assert_array_equal(got, jnp.argmax(logits_bv, axis=-1))
+
+
 @pytest.mark.parametrize("prompt_len,new,message", [
     (0, 4, "no tokens .* give a non-empty --prompt"),
     (12, 4, "prompt has 12 tokens .* context is 12 .* shorten the prompt to at most 11 tokens"),
@@ -152,13 +168,19 @@ def test_lm_sample_on_a_trained_hybrid(small_corpus, tmp_path):
     eval_sample.sample(str(tmp_path), "the quick brown fox " * 20, sampling=decode.Sampling())
 
 
-@pytest.mark.parametrize("name", ["missing.txt", "."])
+@pytest.mark.parametrize("name", ["missing.txt", ".", "binary.bin"])
 def test_a_prompt_file_that_cannot_be_read_is_one_line(tmp_path, name):
-  """A directory given as --prompt_file was a traceback (IsADirectoryError)."""
+  """A directory given as --prompt_file was a traceback (IsADirectoryError), a binary file too
+  (UnicodeDecodeError)."""
   prompt_file = tmp_path / name
+  if name == "binary.bin":
+    prompt_file.write_bytes(b"ok\xff\xfe\x00")
   result = subprocess.run(
       [sys.executable, "-m", "eval.sample", f"--workdir={tmp_path}", f"--prompt_file={prompt_file}"],
       capture_output=True, text=True, timeout=120)
-  reason = "No such file or directory" if name == "missing.txt" else "Is a directory"
+  reason = {
+      "missing.txt": "No such file or directory",
+      ".": "Is a directory"
+  }.get(name, "not UTF-8 text (byte 0xff at offset 2)")
   assert result.returncode == 1
   assert result.stderr == f"lm-sample: --prompt_file={prompt_file}: {reason}; give a text file\n"

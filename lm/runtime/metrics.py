@@ -62,8 +62,9 @@ class Progress:
   """step, loss, tokens/s, MFU and ETA, measured between successive reports."""
 
   def __init__(self, total_steps: int, tokens_per_step: int, start_step: int, flops_per_token: float,
-               peak_flops: float | None):
-    self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
+               peak_flops: float | None, peak_label: str = "MFU"):
+    """peak_label: what the fraction of peak_flops is called ("MFU" for a device's datasheet peak)."""
+    self.total_steps, self.tokens_per_step, self.peak_label = total_steps, tokens_per_step, peak_label
     self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
     self.last_step, self.last_time = start_step, None
 
@@ -83,7 +84,7 @@ class Progress:
         stats["mfu"] = stats["tokens_per_sec"] * self.flops_per_token / self.peak_flops
         mfu = f"{100 * stats['mfu']:.1f}%"
       eta = format_duration(step_time * (self.total_steps - step))
-      rate = f" | {format_count(stats['tokens_per_sec'])} tok/s | MFU {mfu} | ETA {eta}"
+      rate = f" | {format_count(stats['tokens_per_sec'])} tok/s | {self.peak_label} {mfu} | ETA {eta}"
     width = len(str(self.total_steps))
     print(f"step {step:>{width}}/{self.total_steps} | loss {loss:.4f}{rate}", flush=True)
     self.last_step, self.last_time = step, now

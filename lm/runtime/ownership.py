@@ -31,6 +31,7 @@ from jax.experimental import multihost_utils
 from data_pipelines import storage
 
 OWNER = "owner.json"
+LOCK = ".owner.lock"
 RENEWALS_PER_LEASE = 3
 # How long a job refused a local workdir waits for the lock's holder to write its details: the holder
 # writes them just after locking, so a job started at the same moment may look before they exist.
@@ -68,20 +69,38 @@ class LocalLock:
   """flock on a local disk: released by the kernel when the process ends."""
 
   def __init__(self, workdir: epath.Path):
+    self.workdir, self.existed = workdir, workdir.exists()
+    self.found = set(os.listdir(workdir)) if self.existed and workdir.is_dir() else set()
     try:
       workdir.mkdir(parents=True, exist_ok=True)
-      self.file = open(workdir / ".owner.lock", "a+")
+      while True:
+        self.file = open(workdir / LOCK, "a+")
+        try:
+          fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+          self.file.close()
+          raise _in_use(workdir, _holder(workdir), "a job that dies releases the workdir at once.") from None
+        # A job that wrote nothing removes the lock file as it leaves (`release`): one that opened the
+        # file before that holds a lock nobody else sees, so it takes the new one.
+        if os.path.exists(workdir / LOCK) and os.path.samestat(os.fstat(self.file.fileno()),
+                                                               os.stat(workdir / LOCK)):
+          break
+        self.file.close()
     except OSError as e:
       raise WorkdirError(f"cannot use {workdir} as a workdir ({e.strerror}); --workdir must name a "
                          f"directory this user can write, or one that can be created") from e
-    try:
-      fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      self.file.close()
-      raise _in_use(workdir, _holder(workdir), "a job that dies releases the workdir at once.") from None
     storage.write_bytes(workdir / OWNER, json.dumps(_me()).encode())
 
   def release(self) -> None:
+    """Drops the lock; a job that wrote nothing else (a refused config) leaves the workdir as it found
+    it: the lock files it added removed, and the directory too if it created it."""
+    with contextlib.suppress(OSError):
+      added = set(os.listdir(self.workdir)) - self.found
+      if added <= {LOCK, OWNER}:
+        for name in added:
+          os.remove(self.workdir / name)  # still holding the lock: see __init__
+        if not self.existed:
+          os.rmdir(self.workdir)
     self.file.close()  # closing drops the flock
 
 
