@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from lm.attention import core
 
-# Measured on CPU (benchmarks/attention.py): 64 beats 128 and 256 for HYLA forward+backward.
+# 64: faster on CPU than 128 or 256 for HYLA's forward and backward (docs/results/attention_speed.md).
 BLOCK = 64
 
 
@@ -56,7 +56,7 @@ def attend_blocked(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: core.Knob
   B, T = q.shape[:2]
   if T <= block and (knobs.normalization, knobs.value_network) == ("softmax", "linear"):
     # Tiling saves no memory here, and softmax's second pass and the backward's recomputation only
-    # repeat the definition's work (SRAVEN, 36 tokens: about 7% less CPU time per training step).
+    # repeat the definition's work (docs/results/compositional_throughput.md).
     return core.reference(q, k, v, knobs=knobs, causal=causal, segment_ids=segment_ids, bias=bias,
                           dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   block = min(block, T)
