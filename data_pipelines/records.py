@@ -81,7 +81,7 @@ def shard_paths(data_dir: str | os.PathLike, split: str) -> list[str]:
   if not paths:
     raise FileNotFoundError(
         f"no '{split}' shards ({split}.array_record-*-of-*) in {data_dir}; prepare the data with "
-        f"`lm-prepare` (see README, 'Train on C4') or point data.dir at a prepared directory")
+        f"`lm-prepare` (docs/guides/c4_tpu.md) or point data.dir at a prepared directory")
   return [os.fspath(p) for p in paths]
 
 

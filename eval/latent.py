@@ -1,4 +1,5 @@
-"""Latent-code analysis of a SRAVEN or fuzzy-logic checkpoint (docs/paper.md section 5), by two protocols.
+"""Latent-code analysis of a SRAVEN or fuzzy-logic checkpoint (docs/reference/paper.md section 5), by two
+protocols.
 
 `lm-latent --workdir=DIR [--step=N] [--examples=2048] [--paper_examples=N]`
 

@@ -210,8 +210,7 @@ def rotary(x_bthk: jax.Array, positions_bt: jax.Array, base: float, partner_bthk
   partner_bthk: rotate_half(x) if the caller formed it already (model.rope_by_product); then the
   rotation is element-wise. The angles and their sines are float32; the rotation itself runs in x's
   dtype, as MaxText's does: in bfloat16 a float32 rotation made XLA write q, k and their cotangents in
-  float32 between the projections and the attention kernel (2.4 of the 18.3 GB a c4_50m step moved
-  per v5e chip)."""
+  float32 between the projections and the attention kernel (docs/results/compile_v5e.md)."""
   half = x_bthk.shape[-1] // 2
   freq_k = base**(-jnp.arange(half, dtype=jnp.float32) / half)
   angle_bt1k = positions_bt[:, :, None, None].astype(jnp.float32) * freq_k

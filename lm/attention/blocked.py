@@ -110,8 +110,8 @@ def _tile(tiling: _Tiling, i, j, q_bqhd, k_bkhd, v_bkhd, seg_bt, bias, lse_bhq, 
 
 def _hypernetwork_pullback(tiling: _Tiling, i, j, q_bqhd, k_bkhd, v_bkhd, bias, lse_bhq, rng, seg_bt, g_bqhd):
   """_tile's pullback for the hypernetwork value network, written out: automatic differentiation
-  transposed the [b, q, k, d] tensors between matmuls batched over queries and over keys and ran 1.6x
-  slower (benchmarks/attention.py). Here z, φ'(z) and dz stay key-major; only φ(z) meets a matmul
+  transposed the [b, q, k, d] tensors between matmuls batched over queries and over keys, which was
+  slower (docs/results/attention_speed.md). Here z, φ'(z) and dz stay key-major; only φ(z) meets a matmul
   batched over queries.
 
   Returns the tile's weights a_bhqk before dropout, the cotangent da_bhqk the output gives them, dv,
