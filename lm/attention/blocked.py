@@ -12,10 +12,8 @@ Softmax needs the row's log-sum-exp before any tile's weights are known, and the
 a sum over heads of weights with different denominators, so flash attention's online rescaling does not
 carry over: a first pass computes the log-sum-exp, a second applies exact weights. Attention dropout
 draws each tile's part of the one [t, t] mask from the pairs' positions (core.dropout_keep), the same
-bits in the forward pass, in both backward passes, and in the reference.
-
-When one tile holds the sequence (t <= block), softmax attention with the linear value network runs the
-reference instead, which keeps its weights for the backward pass rather than recomputing them twice.
+bits in the forward pass, in both backward passes, and in the reference. When one tile holds the
+sequence, softmax attention with the linear value network runs the reference instead.
 """
 
 import dataclasses
