@@ -46,8 +46,8 @@ MAX_BLOCK_VOCAB, BLOCK_VOCAB_ELEMENTS = 4096, 512 * 4096
 DX_CHUNK_BYTES = 16 * 2**20
 VMEM_LIMIT = 64 * 2**20
 # "auto" on TPU keeps a device's float32 logits from the forward kernel for the backward one (which
-# then forms two products of the readout's size instead of three) up to this size, which holds a v5e
-# chip's 1.0 GiB for c4_50m (docs/results/compile_v5e.md).
+# then forms two products of the readout's size instead of three) up to this size: c4_50m's are 1.0 GiB
+# per v5e chip, 8,192 tokens x 32,000 words (docs/results/compile_v5e.md).
 KEEP_LOGITS_BYTES = 2 * 2**30
 FORWARD, BACKWARD = "cross_entropy_fwd", "cross_entropy_bwd"  # the kernels' pallas_call names
 # Tokens per step of the fused form's loop: [512, V] float32 logits at a time.
