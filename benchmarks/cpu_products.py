@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import workers
 from absl import app, flags
 
-from lm import experiment
+from lm import xla_options
 from lm.runtime import cli
 
 _SHAPES = flags.DEFINE_list("shapes", ["4608x128x384", "576x128x64", "2048x2048x2048"], "MxKxN products.")
@@ -34,7 +34,7 @@ FORMS = {
 def gflops(m: int, k: int, n: int, operands, result, fusion: str) -> float:
   a, b = jnp.ones((m, k), operands), jnp.ones((k, n), operands)
   f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=result),
-              compiler_options=experiment.cpu_compiler_options("" if fusion == "default" else fusion, "cpu"))
+              compiler_options=xla_options.cpu_compiler_options("" if fusion == "default" else fusion, "cpu"))
   f(a, b).block_until_ready()
   best = float("inf")
   for _ in range(5):

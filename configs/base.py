@@ -66,7 +66,7 @@ def get_config() -> ml_collections.ConfigDict:
   # XLA's CPU backend only: the operations it hands to the YNNPACK library, from "dot", "eltwise"
   # and "reduce" ("" keeps XLA's own choice, which varies by jax version: products and reductions in
   # jax 0.10.2). Handing it the element-wise work and reductions around the products as well takes
-  # out most of the layout copies XLA makes between them (docs/nanodo_side_by_side.md measures it).
+  # out most of the layout copies XLA makes between them (docs/results/nanodo_throughput.md).
   c.cpu_library_fusion = "dot,eltwise,reduce"
   # XLA's CPU backend only: run the host as this many devices, which the mesh's data axis then splits
   # each batch over (0: JAX's default, one device whose operations share the cores). Small arrays

@@ -1,6 +1,6 @@
-"""The paper's C4 run (docs/paper.md, section 6): ~52M parameters, 130B tokens, a 16-chip v5e slice.
+"""The paper's C4 run (docs/reference/paper.md, section 6): ~52M parameters, 130B tokens, a 16-chip v5e slice.
 
-data.source picks how C4 is held (see README, 'Train on C4'):
+data.source picks how C4 is held (docs/guides/c4_tpu.md):
   "c4"            TFDS's c4/en:3.1.0 in ArrayRecord format; data.dir is the TFDS data dir (local or
                   gs://) that holds c4/en/3.1.0/;
   "array_record"  shards that `lm-prepare` made from AllenAI's c4-train.*.json.gz files, as text or
@@ -25,9 +25,9 @@ def get_config():
   c.model.update(V=32_000, D=512, H=8, L=6, F=2048, positions="rotary", tied_embeddings=False, max_len=512,
                  dtype="bfloat16")
   # Each q and k rotation's partner comes from a second product rather than from slicing q and k, so
-  # XLA fuses the rotation into the projections: on a v5e chip the step's operations, one after
-  # another, take 2.2 ms less for 6% more FLOPs (docs/compile_table.md). The MLP is not recomputed
-  # in the backward pass (model.remat=mlp): that costs 0.8 ms more than it saves.
+  # XLA fuses the rotation into the projections; the MLP is not recomputed in the backward pass
+  # (model.remat=mlp), which costs more than it saves. Both by the v5e estimate in
+  # docs/results/compile_v5e.md.
   c.model.rope_by_product = True
   c.data.update(source="c4", dir="gs://BUCKET/tensorflow_datasets", tokenizer=T5_VOCAB, seq_len=512,
                 threads=8)
@@ -36,8 +36,8 @@ def get_config():
   # The step count follows from the token budget: 130e9 / (256 x 512) = 991,821 steps.
   c.train.steps = int(TOKENS // (c.train.batch_size * c.data.seq_len))
   # The paper's 16 chips (v5e-16: 4 hosts of 4); elsewhere set --config.mesh.data=-1.
-  # The state split over the 16 chips (ZeRO style): the optimiser's update, a floor of 1.34 GB of HBM
-  # traffic a step with the state whole on every chip, moves a sixteenth of it (docs/compile_table.md).
+  # The state split over the 16 chips (ZeRO style): each chip's optimiser update then reads and writes
+  # a sixteenth of the state (docs/results/compile_v5e.md).
   c.mesh.update(data=16, fsdp=1, tensor=1, shard_state_over_data=True)
   c.checkpoint.update(every_steps=2000, keep=3, keep_every=100_000)
   c.eval.update(every_steps=10_000, batch_size=256)

@@ -1,6 +1,6 @@
-"""Fuzzy-logic regression (docs/paper.md section 3) as the paper's code runs its ablation setting:
+"""Fuzzy-logic regression (docs/reference/paper.md section 3) as the paper's code runs its ablation setting:
 L=4, K=2, N=32, frac_test=0.7; 2 layers, width 128, 8 heads, q/k/v width 16, MLP 256; 50k steps x
-batch 128. docs/compositional.md compares every field with the paper's code.
+batch 128. docs/reference/compositional_setup.md compares every field with the paper's code.
 
 Shorten the budget with `--config.train.instances=N` (steps follow).
 """
@@ -32,8 +32,8 @@ def get_config():
   c.model.relative_buckets, c.model.relative_max_distance = seq_len.identity(), seq_len.identity()
   # The paper code's parametrisation (flax's Dense and Embed defaults): biases in every projection,
   # output weights at 1/sqrt(fan-in), bias tables at std buckets^-0.5. With our model's defaults
-  # (bias-free, depth-scaled outputs, std 0.02) HYLA's held-out R² at 640,000 sequences was 0.11
-  # lower, averaged over 3 seeds; without the biases alone, 0.12 lower (docs/compositional.md).
+  # (bias-free, depth-scaled outputs, std 0.02) HYLA's held-out R² is lower
+  # (docs/results/fuzzy_logic_parametrisation.md).
   c.model.update(projection_bias=True, residual_init="fan_in", relative_bias_std=seq_len.to_float()**-0.5)
   c.model.input_dim = num_vars + 1
   instances = ml_collections.FieldReference(50_000 * 128)
@@ -47,12 +47,12 @@ def get_config():
   c.eval.update(every_steps=10_000, batch_size=640, batches=8, final_batches=25)
   c.checkpoint.update(every_steps=10_000)
   # On CPU only the matrix products go to XLA's YNNPACK fusion: this model's attention (heads of 2-4
-  # dimensions) is many small element-wise passes that the library runs slower than XLA does; the step
-  # takes 22-25% less CPU time (docs/compositional.md).
+  # dimensions) is many small element-wise passes that the library runs slower than XLA does
+  # (docs/results/compositional_throughput.md).
   c.cpu_library_fusion = "dot"
   # On a CPU, the batch of 128 split over 2 devices in one part (each device's attention arrays,
   # [64, 8, 32, 32], are 2 MB): each core busy with a device's whole operations rather than idle inside
-  # small ones. On a 2-core CPU 1.25-1.3x the steps/s of one device in 8 cache-sized parts; 2 or 4
-  # parts are slower here (docs/compositional.md). cpu_devices is CPU-only.
+  # small ones, faster on a 2-core CPU than one device in cache-sized parts
+  # (docs/results/compositional_throughput.md). cpu_devices is CPU-only.
   c.cpu_devices = 2
   return c

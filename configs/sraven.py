@@ -1,5 +1,6 @@
-"""SRAVEN (docs/paper.md section 4) as the paper's code runs it: 4 layers, width 128, 16 heads, q/k/v width
-64, 20M instances. docs/compositional.md compares every field with the paper's code.
+"""SRAVEN (docs/reference/paper.md section 4) as the paper's code runs it: 4 layers, width 128, 16 heads,
+q/k/v width 64, 20M instances. docs/reference/compositional_setup.md compares every field with the paper's
+code.
 
 Shorten the budget with `--config.train.instances=N` (steps follow); scale the model with
 `--config.width=2` (D, H, qkv_dim and F are multiplied: 4 dimensions per head at every width, as in
@@ -22,7 +23,7 @@ def get_config():
                  relative_max_distance=sraven.SEQ_LEN, relative_bidirectional=False,
                  relative_bias_per_layer=True)
   # The paper code's parametrisation (flax's Dense and Embed defaults): biases in every projection,
-  # output weights at 1/sqrt(fan-in), bias tables at std buckets^-0.5 (docs/compositional.md).
+  # output weights at 1/sqrt(fan-in), bias tables at std buckets^-0.5 (docs/reference/compositional_setup.md).
   c.model.update(projection_bias=True, residual_init="fan_in", relative_bias_std=sraven.SEQ_LEN**-0.5)
   c.model.D, c.model.H, c.model.qkv_dim, c.model.F = width * 128, width * 16, width * 64, width * 256
   c.data = ml_collections.ConfigDict(
@@ -45,10 +46,9 @@ def get_config():
   # On CPU, XLA's own fusion (no YNNPACK library fusion), and the batch of 128 in 8 parts of 16 whose
   # gradients are summed, each part split over 2 devices: the same step (attention dropout's mask is
   # one per step either way), with each device's [8, H, T, T] attention arrays small enough for a
-  # core's cache. Since the step sums the devices' gradients once per step, 8 parts train faster than
-  # 4 for every variant, and XLA's fusion no slower than YNNPACK's matrix products, and faster with
-  # model.matmul_dtype=bfloat16 (docs/compositional.md). On an accelerator, where larger products are
-  # faster, set train.microbatches=1 (cpu_devices and cpu_library_fusion are CPU-only).
+  # core's cache. This is the fastest CPU setting measured for every variant
+  # (docs/results/compositional_throughput.md). On an accelerator, where larger products are faster,
+  # set train.microbatches=1 (cpu_devices and cpu_library_fusion are CPU-only).
   c.cpu_library_fusion = ""
   c.train.microbatches = 8
   c.cpu_devices = 2

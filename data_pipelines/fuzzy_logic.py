@@ -1,14 +1,14 @@
-"""Fuzzy-logic in-context regression, docs/paper.md section 3.
+"""Fuzzy-logic in-context regression, docs/reference/paper.md section 3.
 
 L variables x in [0, 1]^L; AND = min, OR = max, NOT x = 1 - x. A term is a full conjunction of
 all L literals given by a bit vector s (literal x_i where s_i = 1, else 1 - x_i): 2^L terms. A task
 is an unordered set of K distinct terms, f(x) = max_k min_i lit(s_k,i, x_i).
 
-Choices docs/paper.md leaves open: x is drawn i.i.d. uniform on [0, 1)^L; terms are ordered by their bit
-vector read as a binary number (variable 0 most significant); the "unknown" split holds the tasks
-whose terms are *all* unknown (docs/paper.md: "combinations of unknown terms"), so a task mixing known
-and unknown terms is in no split; the variance is the population variance (ddof=0) of all N targets
-of a sequence, the query's included.
+Choices docs/reference/paper.md leaves open: x is drawn i.i.d. uniform on [0, 1)^L; terms are ordered
+by their bit vector read as a binary number (variable 0 most significant); the "unknown" split holds
+the tasks whose terms are *all* unknown (docs/reference/paper.md: "combinations of unknown terms"), so a
+task mixing known and unknown terms is in no split; the variance is the population variance (ddof=0)
+of all N targets of a sequence, the query's included.
 
 Dimension letters: b batch, t token (one per example, N), v token values (L + 1), n example, k term,
 l variable.

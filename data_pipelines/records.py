@@ -119,7 +119,7 @@ def shard_paths(data_dir: str | os.PathLike, split: str, remedy: Remedy = prepar
   if not paths:
     raise FileNotFoundError(
         f"no '{split}' shards ({split}.array_record-*-of-*) in {data_dir}; prepare the data with "
-        f"`lm-prepare` (see README, 'Train on C4') or point data.dir at a prepared directory")
+        f"`lm-prepare` (docs/guides/c4_tpu.md) or point data.dir at a prepared directory")
   if missing := missing_shards(paths, split, data_dir):
     shard, count = missing
     raise FileNotFoundError(f"{shard} is missing: the '{split}' split in {data_dir} has {len(paths)} of its "

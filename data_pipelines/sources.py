@@ -39,7 +39,7 @@ def tfds_split(data_dir: str | os.PathLike, split: str, name: str = C4) -> Docum
   prepare = (f"prepare it with `tfds build {dataset}:{version} --data_dir={data_dir} "
              f"--file_format=array_record` (an Apache Beam job over Common Crawl), or download "
              f"AllenAI's c4/en json.gz shards, convert them with `lm-prepare` and train with "
-             f"data.source=array_record (see README, 'Train on C4')")
+             f"data.source=array_record (docs/guides/c4_tpu.md)")
   if not (builder_dir / "dataset_info.json").exists():
     raise FileNotFoundError(f"no TFDS dataset {name} in {data_dir}: {builder_dir / 'dataset_info.json'} "
                             f"is missing; point data.dir at the TFDS data dir that holds "
@@ -110,5 +110,5 @@ def resolve(cfg: ml_collections.ConfigDict, vocab_size: int) -> Splits:
   for split, documents in splits.items():
     if not len(documents.source):
       raise ValueError(f"the '{split}' split in {cfg.dir} has no records; prepare it again "
-                       f"(see README, 'Train on C4') or point data.dir at a non-empty directory")
+                       f"(docs/guides/c4_tpu.md) or point data.dir at a non-empty directory")
   return Splits(splits["train"], splits["validation"], tokenizer, baseline)

@@ -1,4 +1,4 @@
-"""Symbolic Raven progressive matrices (SRAVEN), docs/paper.md section 4.
+"""Symbolic Raven progressive matrices (SRAVEN), docs/reference/paper.md section 4.
 
 A 3x3 grid of panels; each panel has F=4 features with values in 0..7 (arithmetic mod 8). Every
 feature follows one of 8 rules along the rows, and every row is an independent draw of that rule.
@@ -143,7 +143,7 @@ def sample_batch(
   task_ids = task_split(split_seed, frac_ood)["ood" if split == "ood" else "train"]
   task_b = rng.choice(task_ids, batch_size)
   # Rules go to features in a random order: sorted multisets would put the task's largest rule on
-  # the last feature every time (docs/paper.md, section 4, last item).
+  # the last feature every time (docs/reference/paper.md, section 4, last item).
   order_bf = _random_arrangements(rng, (batch_size,), NUM_FEATURES, NUM_FEATURES)
   rules_bf = _take_last(all_tasks()[task_b], order_bf)
   values_bfrc = _rows(rules_bf, rng)
@@ -178,8 +178,8 @@ def shown_values(batch: dict[str, np.ndarray]) -> np.ndarray:
 def same_feature_positions(perm_bcf: np.ndarray, slot: int) -> np.ndarray:
   """Token positions [b, 2] of the query slot's feature in the last row's two earlier panels.
 
-  These are the keys of the SRAVEN latent code (docs/paper.md section 5); the query token itself sits
-  at position CONTEXT_LEN + slot.
+  These are the keys of the SRAVEN latent code (docs/reference/paper.md section 5); the query token
+  itself sits at position CONTEXT_LEN + slot.
   """
   feature_b = perm_bcf[:, -1, slot]
   # argsort inverts each column's permutation: slot_bcf[b, c, f] is feature f's slot in column c.

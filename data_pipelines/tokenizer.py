@@ -74,7 +74,7 @@ class Tokenizer:
   def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
     """Documents → [BOS] ids [EOS] each, in one SentencePiece call. One thread per call: grain's
     read threads already tokenize groups in parallel, and SentencePiece's own threads gained
-    nothing on top of them (measured on the text of benchmarks/data_throughput.py)."""
+    nothing on top of them (docs/results/data_throughput.md)."""
     prefix = [self.bos] if self.bos >= 0 else []
     return [
         np.asarray(prefix + ids + [self.eos], dtype=np.int32) for ids in self.sp.encode(texts, num_threads=1)

@@ -1,23 +1,17 @@
-"""Latent-code analysis of a SRAVEN or fuzzy-logic checkpoint (docs/paper.md section 5), by two protocols.
+"""Latent-code analysis of a SRAVEN or fuzzy-logic checkpoint (docs/reference/paper.md section 5), by two
+protocols.
 
 `lm-latent --workdir=DIR [--step=N] [--examples=2048] [--paper_examples=N]`
 
 The latent code of a (query, key) pair is the H-vector of normalised scores across heads, per layer.
-Our protocol (top-level keys of latent.json), a decoder per layer fitted on codes of training tasks
-and scored on held-out (OOD) tasks:
-  - SRAVEN: for each of the 4 query tokens, the codes towards the same feature in the two earlier
-    panels of the last row (2H values), on the training distribution (features permuted); the label
-    is the rule of that feature, decoded by logistic regression. All four query tokens are used.
-  - Fuzzy logic: the code of the query token attending to itself (H values); the labels are the
-    task's K terms, decoded as a set (one-vs-rest logistic regression, the K most likely terms).
-The paper code's protocol (key "paper_code"):
-  - SRAVEN: the last query token only, on unpermuted data; logistic regression per layer from
-    fresh instances of training tasks to OOD tasks (51,200 each by default).
-  - Fuzzy logic: all layers' query self-codes (L*H values) on fixed-query sequences (one query point
-    for every sequence) of training tasks, ridge regression (l2 = 1) onto the task's term bit-vectors
-    (K*L targets), fitted on one half and scored by R² (mean over targets) on the other (16,000).
-Also writes DIR/latent.json (printed too) and DIR/latent_embedding.png: a PCA of the final layer's
-OOD codes (our protocol), coloured by rule (SRAVEN) or by the task's first term (fuzzy logic).
+Our protocol (top-level keys of latent.json) fits a decoder per layer on codes of training tasks and
+scores it on held-out (OOD) tasks: SRAVEN's codes of each query token towards the same feature in the
+last row's earlier panels, labelled by that feature's rule; fuzzy logic's query self-code, labelled by
+the task's K terms (`analyse`). The paper code's protocol (key "paper_code", `paper_code_protocol`):
+SRAVEN's last query token on unpermuted data; fuzzy logic's self-codes of all layers, ridge regression
+onto the terms' bit-vectors scored by R². docs/guides/compositional.md describes both. Also writes
+DIR/latent.json (printed too) and DIR/latent_embedding.png: a PCA of the final layer's OOD codes (our
+protocol), coloured by rule (SRAVEN) or by the task's first term (fuzzy logic).
 """
 
 import json
@@ -113,6 +107,11 @@ def ridge_r2(x_nf, y_nt) -> float:
 
 
 def paper_code_protocol(config, codes, examples: int) -> dict:
+  """The paper code's protocol. SRAVEN: the last query token only, on unpermuted data; logistic
+  regression per layer from fresh instances of training tasks to OOD tasks (`examples` each). Fuzzy
+  logic: all layers' query self-codes (L*H values) on fixed-query sequences (one query point for every
+  sequence) of training tasks, ridge regression onto the task's term bit-vectors (K*L targets),
+  `ridge_r2`."""
   if config.task == "sraven":
     (x_tr, y_tr), (x_ood, y_ood) = (
         sraven_codes(config, codes, s, examples, slots=(3,), permute=False) for s in ("test", "ood"))

@@ -63,7 +63,7 @@ def ambiguity(context_bt: np.ndarray, answer_bf: np.ndarray, permute: bool) -> d
   panel's value. Returns, per instance:
     ambiguous: more than one panel is consistent.
     wholly_ambiguous: a consistent panel differs from the true one in all 4 slots (the
-      definition of the paper's reference checker, whose rate docs/paper.md quotes as < 0.5%).
+      definition of the paper's reference checker, whose rate docs/reference/paper.md quotes as < 0.5%).
     consistent: the true panel is consistent (it must be).
   """
   masks = answer_masks(context_bt)

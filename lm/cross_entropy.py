@@ -4,15 +4,14 @@ nll_bt = logsumexp_v(s · x_btd @ w_dv) - s · (x_btd @ w_dv)[target]. The "xla"
 [B, T, V] logits and reduces them. The "pallas" one (TPU) never writes them: a forward kernel walks the
 vocabulary block by block keeping a running max, sum of exponentials and the target's logit per token,
 and a backward kernel recomputes each block's logits once to form both gradients, accumulating dw over
-token blocks and dx over vocabulary blocks (dx for a chunk of tokens held on chip). At V = 32,000 the
-logits of a v5e chip's 8,192 tokens are 1 GB in float32, read and written several times per step by the
-"xla" form; the kernels trade that traffic for recomputing the readout's product once more.
-"pallas_keep_logits" writes them once, in float32, from the forward kernel and reads them once in the
-backward kernel instead of recomputing them: the same numbers up to float32's rounding of the product
-(the kernels take it in blocks of different sizes), one product fewer, 4 bytes per token and word of
-memory ("auto" keeps them on TPU up to KEEP_LOGITS_BYTES per device). The
-"fused" one (XLA, CPU's choice) walks the tokens in blocks and forms each block's gradient in the same
-pass as its loss, for the weighted sum of the losses (readout_loss), whose gradient is that sum's.
+token blocks and dx over vocabulary blocks (dx for a chunk of tokens held on chip): the "xla" form
+reads and writes the float32 logits several times a step, the kernels recompute the readout's product
+once more instead. "pallas_keep_logits" writes the logits once, in float32, from the forward kernel and
+reads them once in the backward kernel: the same numbers up to float32's rounding of the product, one
+product fewer, 4 bytes per token and word of memory ("auto" keeps them on TPU up to KEEP_LOGITS_BYTES
+per device). The "fused" one (XLA, CPU's choice) walks the tokens in blocks and forms each block's
+gradient in the same pass as its loss, for the weighted sum of the losses (readout_loss), whose gradient
+is that sum's.
 """
 
 import functools
@@ -33,14 +32,13 @@ LANES = 128
 # Block sizes (tokens; vocabulary: the largest multiple of 128 up to the maximum that divides V). The
 # forward kernel reads all of w once per token block, the backward kernel all of x once per vocabulary
 # block: large blocks on those axes, within VMEM (a [2048, 3200] float32 tile of logits is 26 MB).
-# Backward token blocks of 512: 4.10 ms a step on a v5e chip of c4_50m where 256 took 4.77 (the dw
-# product's contraction over the block's tokens is twice as long). A forward kernel that keeps the
-# logits writes a [1024, 3200] float32 block a step (2,048 tokens overflow its VMEM).
+# Backward token blocks of 512, faster than 256 for c4_50m on v5e (docs/results/compile_v5e.md). A
+# forward kernel that keeps the logits writes a [1024, 3200] float32 block a step (2,048 tokens overflow
+# its VMEM).
 BLOCK_TOKENS, BLOCK_TOKENS_BWD, BLOCK_TOKENS_KEEP = 2048, 512, 1024
 # Vocabulary blocks of at most MAX_BLOCK_VOCAB words (a [2048, 4096] float32 tile of logits) and
 # BLOCK_VOCAB_ELEMENTS elements of w (so that wider models fit VMEM too; 3,200 words of c4_50m's 32,000
-# at width 512): the forward kernel takes 2.24 ms a step on a v5e chip of c4_50m in blocks of 640
-# words, 1.75 in 1,280, 1.43 in 3,200 (its products at 95% of the MXU's peak).
+# at width 512): the larger the block, the faster the forward kernel (docs/results/compile_v5e.md).
 MAX_BLOCK_VOCAB, BLOCK_VOCAB_ELEMENTS = 4096, 512 * 4096
 # The backward kernel holds dx in float32 for a chunk of tokens while it walks the vocabulary: at most
 # this much VMEM (one chunk for a v5e chip's 8,192 tokens of width 512); more chunks each give a partial
@@ -48,8 +46,8 @@ MAX_BLOCK_VOCAB, BLOCK_VOCAB_ELEMENTS = 4096, 512 * 4096
 DX_CHUNK_BYTES = 16 * 2**20
 VMEM_LIMIT = 64 * 2**20
 # "auto" on TPU keeps a device's float32 logits from the forward kernel for the backward one (which
-# then forms two products of the readout's size instead of three) up to this size: 1.0 GiB for a v5e
-# chip of c4_50m (8,192 tokens x 32,000 words), 5.53 → 4.59 ms a step by the compiler's schedule.
+# then forms two products of the readout's size instead of three) up to this size: c4_50m's are 1.0 GiB
+# per v5e chip, 8,192 tokens x 32,000 words (docs/results/compile_v5e.md).
 KEEP_LOGITS_BYTES = 2 * 2**30
 FORWARD, BACKWARD = "cross_entropy_fwd", "cross_entropy_bwd"  # the kernels' pallas_call names
 # Tokens per step of the fused form's loop: [512, V] float32 logits at a time.
@@ -70,8 +68,8 @@ class Readout(NamedTuple):
 def token_nll(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
   """Negative log-likelihood of every target token, in float32: [B, T]. Log-sum-exp minus the target's
   logit, never writing the [B, T, V] log-probabilities. The target's logit is picked by a masked sum
-  rather than a gather (optax's form) so that XLA fuses it into the log-sum-exp's pass over the logits:
-  0.91 GB less HBM traffic per chip and step for configs/c4_50m.py on v5e (docs/compile_table.md)."""
+  rather than a gather (optax's form) so that XLA fuses it into the log-sum-exp's pass over the logits,
+  saving a pass over them (docs/results/compile_v5e.md)."""
   logits_btv = logits_btv.astype(jnp.float32)
   is_target_btv = jnp.arange(logits_btv.shape[-1]) == targets_bt[..., None]
   return jax.nn.logsumexp(logits_btv, axis=-1) - jnp.where(is_target_btv, logits_btv, 0.0).sum(-1)

@@ -1,9 +1,11 @@
-"""What follows from a config and the devices: model, task, optimiser, mesh, shardings, jitted steps."""
+"""What follows from a config and the devices: model, task, optimiser, mesh, shardings, jitted steps.
+
+The train step: the batch's loss and its gradients (summed as lm/gradients.py says), the optimiser's
+update, kept only if finite; both steps compile with lm/xla_options.py's options for the platform.
+"""
 
 import functools
-import importlib.metadata
 import math
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,12 +16,20 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax import flatten_util
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from data_pipelines import pipeline
-from lm import cross_entropy, model as model_lib, optimizer as optimizer_lib, rounding, sharding, stats, tasks
+from lm import (
+    cross_entropy,
+    gradients,
+    model as model_lib,
+    optimizer as optimizer_lib,
+    sharding,
+    stats,
+    tasks,
+    xla_options,
+)
 from lm.attention import IMPLS as ATTENTION_IMPLS
 
 
@@ -98,50 +108,6 @@ def check_counts(config: ml_collections.ConfigDict) -> None:
                      f"--config.watchdog.first_step_secs=S, or watchdog.step_secs=0 to turn it off")
 
 
-# The kinds of operations XLA's CPU backend may hand to YNNPACK (config.cpu_library_fusion).
-LIBRARY_FUSIONS = ("dot", "eltwise", "reduce")
-
-
-def cpu_compiler_options(kinds: str, platform: str) -> dict[str, str] | None:
-  """The XLA options of the train and eval steps: config.cpu_library_fusion, on CPU only."""
-  names = [k.strip() for k in kinds.split(",") if k.strip()]
-  unknown = set(names) - set(LIBRARY_FUSIONS)
-  if unknown:
-    raise ValueError(f"unknown cpu_library_fusion kind(s) {', '.join(sorted(unknown))}; choose from "
-                     f"{', '.join(LIBRARY_FUSIONS)}, comma-separated, or \"\" for XLA's default")
-  if platform != "cpu" or not names:
-    return None
-  return {"xla_cpu_experimental_ynn_fusion_type": ",".join(f"LIBRARY_FUSION_TYPE_{n.upper()}" for n in names)}
-
-
-# libtpu before 0.0.50 moves the gradient all-reduce out of the microbatch loop (XLA's
-# while-loop-all-reduce-code-motion) even where the loop zeroes the accumulated embedding gradient on
-# all but one device of the all-reduce group, which is how SPMD partitions the gradient of the
-# embedding's gather: the other devices then keep only their last microbatch (openxla/xla#49143).
-# tests/test_compile.py finds it in libtpu 0.0.42.1's compiled train step, not in 0.0.50.1's, which
-# keeps that all-reduce in the loop (docs/faults.md). XLA's GPU compiler runs the same pass and cannot
-# be checked here, so GPUs run without it; XLA's CPU compiler does not run it.
-FIXED_LIBTPU = (0, 0, 50)
-
-
-def libtpu_version() -> str | None:
-  try:
-    return importlib.metadata.version("libtpu")
-  except importlib.metadata.PackageNotFoundError:
-    return None
-
-
-def microbatch_compiler_options(microbatches: int, platform: str, libtpu: str | None) -> dict[str, str]:
-  """The XLA options the train step needs for its microbatch loop to sum gradients correctly: on an
-  accelerator, without the pass that miscompiles it, unless a libtpu of FIXED_LIBTPU or later says
-  otherwise."""
-  if microbatches == 1 or platform == "cpu":
-    return {}
-  if platform == "tpu" and libtpu and tuple(int(n) for n in re.findall(r"\d+", libtpu)[:3]) >= FIXED_LIBTPU:
-    return {}
-  return {"xla_disable_hlo_passes": "while-loop-all-reduce-code-motion"}
-
-
 class Experiment:
 
   def __init__(self, config: ml_collections.ConfigDict, devices=None):
@@ -163,9 +129,8 @@ class Experiment:
       raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the {shards} "
                        f"batch shards of the mesh (data x fsdp); choose a multiple of {shards}")
     platform = self.platform = self.mesh.devices.flat[0].platform
-    self.compiler_options = cpu_compiler_options(config.get("cpu_library_fusion", ""), platform)
-    micro = microbatch_compiler_options(k, platform, libtpu_version() if platform == "tpu" else None)
-    self.train_compiler_options = {**(self.compiler_options or {}), **micro} or None
+    self.compiler_options, self.train_compiler_options = xla_options.step_options(
+        config.get("cpu_library_fusion", ""), k, platform)
     cross_entropy.check_impl(config.train.cross_entropy_impl)
     if config.train.on_nonfinite not in ("stop", "skip"):
       raise ValueError(f"unknown train.on_nonfinite {config.train.on_nonfinite!r}; choose stop or skip")
@@ -183,12 +148,8 @@ class Experiment:
       self.state_shardings = self.state_shardings.replace(
           params=sharding.over_data(self.abstract_state.params, self.mesh),
           opt_state=sharding.over_data(self.abstract_state.opt_state, self.mesh))
-    # On CPU, with every parameter whole on every device, each device takes the gradients of its own
-    # rows and the step adds them up itself (_summed_over_devices); with the state split over the data
-    # axis, each device takes them against the gathered parameters (_sums_of_gathered); elsewhere jit
-    # partitions the step.
-    self.sums_on_devices = platform == "cpu" and shards > 1 and all(
-        s.is_fully_replicated for s in jax.tree.leaves(self.state_shardings.params))
+    # How the step sums its gradients follows from the platform and the state's layout (lm/gradients.py).
+    self.sums_on_devices = gradients.sums_on_devices(platform, shards, self.state_shardings.params)
 
   def check_kernels_run_here(self) -> None:
     """An explicit TPU kernel (model.attention_impl=pallas, splash, ...) on other devices stops with a
@@ -236,89 +197,21 @@ class Experiment:
     mean, weight = self.task.loss(outputs, batch)
     return mean * weight, (mean, weight)
 
-  def _grads(self, params, batch, rng):
-    """The batch's mean loss, its summed weight and the mean loss's gradients."""
-    # check_vma off: the attention cores' custom gradients carry no per-axis variance types.
-    if self.state_over_data:
-      specs = jax.tree.map(lambda s: s.spec, self.state_shardings.params)
-      sums = functools.partial(self._sums_of_gathered, specs)
-      total, weight, grads = jax.shard_map(sums, in_specs=(specs, P(sharding.BATCH), P()),
-                                           out_specs=(P(), P(), specs), check_vma=False)(params, batch, rng)
-    elif self.sums_on_devices:
-      total, weight, grads = jax.shard_map(self._summed_over_devices, in_specs=(P(), P(sharding.BATCH), P()),
-                                           out_specs=P(), check_vma=False)(params, batch, rng)
-    else:
-      total, weight, grads = self._sums(params, batch, rng)
-    scale = 1.0 / jnp.maximum(weight, 1.0)
-    return total * scale, weight, jax.tree.map(lambda g: g * scale, grads)
-
-  def _summed_over_devices(self, params, batch, rng):
-    """_sums of this device's rows, added over the devices once per step, as one vector. XLA's CPU
-    all-reduce synchronises the device threads once per operand, and the partitioned step all-reduces
-    every gradient in every microbatch: for SRAVEN's model 74 operands x 4 microbatches, about 5 ms
-    per microbatch, where one vector a step takes one meeting (steps 15-30% shorter;
-    docs/compositional.md)."""
-    flat, unflatten = flatten_util.ravel_pytree(self._sums(params, batch, rng))
-    return unflatten(jax.lax.psum(flat, sharding.BATCH))
-
-  def _sums_of_gathered(self, specs, params, batch, rng):
-    """_sums of this device's rows against the parameters gathered whole from their shards
-    (mesh.shard_state_over_data), each gradient summed over the devices and scattered back to its
-    shard. The optimiser's update then reads and writes a sixteenth of the state on each of 16 chips
-    (configs/c4_50m.py on v5e:4x4: 1.34 GB a step per chip with the state whole, docs/compile_table.md).
-    The parameters that the model only uses rounded to its compute dtype are rounded before they are
-    gathered (lm/rounding.py), and their gradients come back in that dtype (summed over microbatches
-    in float32, `_sums`): the numbers are those of the state whole on every device, where XLA sums
-    bfloat16 gradients too."""
-    low = model_lib.DTYPES[self.model_cfg.dtype]
-    rounded = self.rounded_before_use(
-        *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (batch, rng)))
-    whole = jax.tree.map(lambda p, spec, r: sharding.gather_over_data(p.astype(low) if r else p, spec),
-                         params, specs, rounded)
-    total, weight, grads = self._sums(whole, batch, rng)
-    grads = jax.tree.map(lambda g, p, spec: sharding.scatter_over_data(g, spec).astype(p.dtype), grads,
-                         params, specs)
-    return jax.lax.psum(total, sharding.BATCH), jax.lax.psum(weight, sharding.BATCH), grads
-
-  def rounded_before_use(self, batch, rng) -> dict:
-    """Per parameter, whether the training loss on `batch` (arrays or their abstract shapes) uses it
-    only rounded to the model's compute dtype, once (lm/rounding.py)."""
-    return rounding.rounded_before_use(lambda p, b, r: self._weighted_loss(p, b, r)[0],
-                                       model_lib.DTYPES[self.model_cfg.dtype], self.abstract_state.params,
-                                       batch, rng)
-
-  def _sums(self, params, batch, rng):
-    """The weighted loss summed over the batch's microbatches, the summed weight and the gradients of
-    the sum."""
-    grad_fn = jax.value_and_grad(self._weighted_loss, has_aux=True)
-    k = self.config.train.microbatches
-    if k == 1:
-      (total, (_, weight)), grads = grad_fn(params, batch, rng)
-    else:
-      # Microbatch i takes rows i, i+k, i+2k, ...: every device holds its share of each microbatch.
-      micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape((-1, k) + x.shape[1:]), 0, 1), batch)
-
-      def body(carry, mb):
-        mb = jax.tree.map(sharding.constrain_batch, mb)
-        # Every microbatch takes the step's key: attention dropout's mask is one per step, shared over
-        # the batch, so k parts train exactly what one batch would.
-        (total, (_, weight)), grads = grad_fn(params, mb, rng)
-        return jax.tree.map(lambda c, x: c + x.astype(c.dtype), carry, (total, weight, grads)), None
-
-      # The gradients add up in float32 at least: a parameter gathered rounded to bfloat16
-      # (mesh.shard_state_over_data) has bfloat16 gradients, which the state whole converts to float32
-      # in every microbatch before the sum.
-      accumulator = lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32))
-      zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(accumulator, params))
-      (total, weight, grads), _ = jax.lax.scan(body, zeros, micro)
-    return total, weight, grads
+  @functools.cached_property
+  def _gradients(self) -> gradients.Summation:
+    """How the train step sums its gradients (lm/gradients.py)."""
+    return gradients.Summation(self._weighted_loss, self.config.train.microbatches,
+                               gradients.strategy(self.state_over_data, self.sums_on_devices),
+                               param_shardings=self.state_shardings.params,
+                               compute_dtype=model_lib.DTYPES[self.model_cfg.dtype],
+                               abstract_params=self.abstract_state.params)
 
   @functools.cached_property
   def _train_step(self):
 
     def step(state: TrainState, batch):
       rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-      loss, weight, grads = self._grads(state.params, batch, rng)
+      loss, weight, grads = self._gradients.mean(state.params, batch, rng)
       grad_norm = optax.tree.norm(grads)
       updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
       new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),

@@ -18,7 +18,7 @@ from lm.attention import decode_cache
 
 POSITIONS = ("rotary", "relative_bias", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# What the backward pass recomputes instead of reading back from memory (docs/compile_table.md).
+# What the backward pass recomputes instead of reading back from memory (docs/results/compile_v5e.md).
 REMATS = ("none", "mlp", "block")
 # Initial scale of the weights that write into the residual stream (attention and MLP outputs):
 # 1/sqrt(fan-in x 2L) (GPT-2's depth scaling) or 1/sqrt(fan-in) (flax's default, the paper's code).
@@ -42,9 +42,9 @@ class ModelConfig:
   rope_base: float = 10_000.0
   # Rotary: form each q and k coordinate's rotation partner by a second product, with the projection's
   # columns permuted to match (`rotary`), so the rotation is element-wise on the products' outputs and
-  # XLA fuses it into them. A c4_50m softmax step moves 2.4 GB less per v5e chip for 6% more FLOPs:
-  # right for a step bound by HBM traffic in front of a Pallas attention kernel (configs/c4_50m.py sets
-  # it), wrong for a CPU's compute-bound step and for linear attention's chunked XLA core (CPU and GPU),
+  # XLA fuses it into them: less HBM traffic for a few more FLOPs (docs/results/compile_v5e.md). Right
+  # for a step bound by HBM traffic in front of a Pallas attention kernel (configs/c4_50m.py sets it),
+  # wrong for a CPU's compute-bound step and for linear attention's chunked XLA core (CPU and GPU),
   # which fuses the rotation into its own operations and then reads both products.
   rope_by_product: bool = False
   relative_buckets: int = 32
@@ -184,8 +184,8 @@ _low_precision_einsum.defvjp(_low_precision_einsum_fwd, _low_precision_einsum_bw
 
 def product(cfg: ModelConfig, spec: str, x, w) -> jax.Array:
   """einsum(spec, x, w) in the compute dtype, or with model.matmul_dtype operands and float32 results:
-  CPUs with bfloat16 matrix units (AMX) run such products several times faster than float32 ones,
-  and nothing element-wise converts (docs/compositional.md)."""
+  CPUs with bfloat16 matrix units (AMX) run such products faster than float32 ones, and nothing
+  element-wise converts (docs/results/compositional_throughput.md)."""
   if cfg.matmul_dtype in ("", cfg.dtype):
     return jnp.einsum(spec, x, w)
   return _low_precision_einsum(spec, DTYPES[cfg.matmul_dtype], x, w)
@@ -214,8 +214,7 @@ def rotary(x_bthk: jax.Array, positions_bt: jax.Array, base: float, partner_bthk
   partner_bthk: rotate_half(x) if the caller formed it already (model.rope_by_product); then the
   rotation is element-wise. The angles and their sines are float32; the rotation itself runs in x's
   dtype, as MaxText's does: in bfloat16 a float32 rotation made XLA write q, k and their cotangents in
-  float32 between the projections and the attention kernel (2.4 of the 18.3 GB a c4_50m step moved
-  per v5e chip)."""
+  float32 between the projections and the attention kernel (docs/results/compile_v5e.md)."""
   half = x_bthk.shape[-1] // 2
   freq_k = base**(-jnp.arange(half, dtype=jnp.float32) / half)
   angle_bt1k = positions_bt[:, :, None, None].astype(jnp.float32) * freq_k

@@ -1,4 +1,4 @@
-"""The paper's compositional-generalisation tasks as trainer tasks (docs/paper.md sections 3-4).
+"""The paper's compositional-generalisation tasks as trainer tasks (docs/reference/paper.md sections 3-4).
 
 Both feed continuous token vectors to a bidirectional model (`model.input_dim`, `model.causal=False`)
 and read the answer off the last positions: SRAVEN's four 8-way classifications of the missing

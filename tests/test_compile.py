@@ -27,7 +27,8 @@ from data_pipelines import pipeline  # noqa: E402
 from launch.aot import compile as compile_lib, kernel_schedule, topology  # noqa: E402
 from lm import attention, cross_entropy  # noqa: E402
 from lm.attention import hypernetwork, linear, softmax  # noqa: E402
-from lm.experiment import Experiment, microbatch_compiler_options  # noqa: E402
+from lm.experiment import Experiment  # noqa: E402
+from lm.xla_options import microbatch_compiler_options  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config.model.L=1", "--config.train.batch_size=16"]

@@ -402,7 +402,7 @@ def test_cpu_devices_leave_a_started_jax_as_it_is(monkeypatch, caplog):
 
 
 def test_the_cpu_library_fusion_is_cpu_only_and_checked():
-  from lm.experiment import cpu_compiler_options  # pylint: disable=import-outside-toplevel
+  from lm.xla_options import cpu_compiler_options  # pylint: disable=import-outside-toplevel
   assert cpu_compiler_options("dot,eltwise,reduce", "tpu") is None
   assert cpu_compiler_options("", "cpu") is None
   assert cpu_compiler_options("dot", "cpu") == {

@@ -272,7 +272,7 @@ def format_report(r: dict) -> str:
       f"  bytes accessed, compiler     {r['compiler_bytes']:.3e} (operands and results, wherever they live)",
       f"  bytes through HBM            {r['hbm_traffic_bytes']:.3e} (on-chip memory left out)",
       f"  compiler's optimal time      {optimal}",
-      "estimates, not measurements (docs/compile.md says how far to trust them):",
+      "estimates, not measurements (docs/reference/compile.md says how far to trust them):",
       f"  step time   {r['estimated_step_seconds'] * 1e3:.1f} ms: the operations one after another, XLA's "
       f"{r['xla_op_seconds'] * 1e3:.1f} ms by the compiler's estimate of each" +
       (f", the attention's Pallas kernels {kernel_ms:.1f} ms (each the longer of the compiler's schedule, "
@@ -296,8 +296,8 @@ def format_report(r: dict) -> str:
                  "microbatches")
   if "xla_disable_hlo_passes" in r["compiler_options"]:
     lines.append(f"  compiled without {r['compiler_options']['xla_disable_hlo_passes']}: this libtpu "
-                 "miscompiles the microbatch loop's gradient sum with it (docs/faults.md); gradients are "
-                 "summed across chips once per microbatch")
+                 "miscompiles the microbatch loop's gradient sum with it (docs/reference/faults.md); "
+                 "gradients are summed across chips once per microbatch")
   return "\n".join(lines)
 
 

@@ -7,18 +7,14 @@ implementation supports; validation (`check`), the choice of `impl="auto"` (`cho
 read it and nothing else. `impl="reference"` is the literal definition, the ground truth the others are
 tested against; `auto` takes, per platform, the first row of the table that supports the call.
 
-Where a change goes:
-  - a new normalisation: its name in attention_core.NORMALIZATIONS and its branch in
-    attention_core.normalize, plus its numpy version in tests/test_attention.py (`_np_scores`). The
-    kernel tests run every normalisation already. One that couples keys as softmax does needs its row
-    statistics in the blocked kernel (as `_lse` does for softmax): the blocked tests fail until then.
-  - a new value network: attention_core.VALUE_NETWORKS (with its products per (query, key) pair, which
-    lm/flops.py counts) and its branch in attention_core.apply_value_network, plus a test in
-    tests/test_attention.py that builds it explicitly. A new φ: attention_core.NONLINEARITIES.
-  - a new named variant: a row of PRESETS (the model config's `attention` names one).
-  - a new implementation: a module lm/attention_<name>.py that imports only lm/attention/core.py, a
-    row of IMPLS stating what it supports and where `auto` may take it, and its comparison with the
-    reference (values and gradients) in tests/test_attention_fast.py.
+Where a change goes (docs/reference/attention.md has the full checklist):
+  - a normalisation: core.NORMALIZATIONS and core.normalize, its numpy version in tests/test_attention.py;
+    one that couples keys as softmax does also needs its row statistics in the blocked kernel.
+  - a value network: core.VALUE_NETWORKS (its products per pair, which lm/flops.py counts) and
+    core.apply_value_network, with a test in tests/test_attention.py. A new φ: core.NONLINEARITIES.
+  - a named variant: a row of PRESETS (the model config's `attention` names one).
+  - an implementation: a module lm/attention/<name>.py that imports only core.py, a row of IMPLS, and
+    its comparison with the reference (values and gradients) in tests/test_attention_fast.py.
 """
 
 import functools

@@ -12,10 +12,8 @@ Softmax needs the row's log-sum-exp before any tile's weights are known, and the
 a sum over heads of weights with different denominators, so flash attention's online rescaling does not
 carry over: a first pass computes the log-sum-exp, a second applies exact weights. Attention dropout
 draws each tile's part of the one [t, t] mask from the pairs' positions (core.dropout_keep), the same
-bits in the forward pass, in both backward passes, and in the reference.
-
-When one tile holds the sequence (t <= block), softmax attention with the linear value network runs the
-reference instead, which keeps its weights for the backward pass rather than recomputing them twice.
+bits in the forward pass, in both backward passes, and in the reference. When one tile holds the
+sequence, softmax attention with the linear value network runs the reference instead.
 """
 
 import dataclasses
@@ -26,7 +24,7 @@ import jax.numpy as jnp
 
 from lm.attention import core
 
-# Measured on CPU (benchmarks/attention.py): 64 beats 128 and 256 for HYLA forward+backward.
+# 64: faster on CPU than 128 or 256 for HYLA's forward and backward (docs/results/attention_speed.md).
 BLOCK = 64
 
 
@@ -56,7 +54,7 @@ def attend_blocked(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: core.Knob
   B, T = q.shape[:2]
   if T <= block and (knobs.normalization, knobs.value_network) == ("softmax", "linear"):
     # Tiling saves no memory here, and softmax's second pass and the backward's recomputation only
-    # repeat the definition's work (SRAVEN, 36 tokens: about 7% less CPU time per training step).
+    # repeat the definition's work (docs/results/compositional_throughput.md).
     return core.reference(q, k, v, knobs=knobs, causal=causal, segment_ids=segment_ids, bias=bias,
                           dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   block = min(block, T)
@@ -110,8 +108,8 @@ def _tile(tiling: _Tiling, i, j, q_bqhd, k_bkhd, v_bkhd, seg_bt, bias, lse_bhq, 
 
 def _hypernetwork_pullback(tiling: _Tiling, i, j, q_bqhd, k_bkhd, v_bkhd, bias, lse_bhq, rng, seg_bt, g_bqhd):
   """_tile's pullback for the hypernetwork value network, written out: automatic differentiation
-  transposed the [b, q, k, d] tensors between matmuls batched over queries and over keys and ran 1.6x
-  slower (benchmarks/attention.py). Here z, φ'(z) and dz stay key-major; only φ(z) meets a matmul
+  transposed the [b, q, k, d] tensors between matmuls batched over queries and over keys, which was
+  slower (docs/results/attention_speed.md). Here z, φ'(z) and dz stay key-major; only φ(z) meets a matmul
   batched over queries.
 
   Returns the tile's weights a_bhqk before dropout, the cotangent da_bhqk the output gives them, dv,

@@ -1,65 +1,18 @@
 """The hypernetwork value network (HYLA and its rms_head / none ablations) in Pallas TPU kernels that
 keep every tile's value-network tensors on chip.
 
-XLA's form of the blocked kernel (attention_blocked.py) writes each tile's [rows, queries, keys, d]
-tensors (z, φ(z), their gradients) to HBM between its fusions: about 33 passes over a tile's z per
-training step on a v5e chip, four times softmax's whole step for configs/c4_50m.py
-(docs/compile_table.md). Here a tile's z lives in VMEM only, and HBM sees q, k, v, the output and
-their gradients, as for flash attention.
-
-One tile, one grid step, is BLOCK_Q queries by BLOCK_K keys, keys on the lanes: the scores s_h [BQ, BK]
-of each head come from the MXU; the pair's weights a_h from the normalisation (core.normalize, and its
-pullback by autodiff); z [BQ, d, BK] = Σ_h a_h[:, None, :] · vᵀ_h[None] on the vector unit, v passed
-transposed ([d, keys]) so that a head's values broadcast over the query axis for free. q and k come
-transposed too, and dq and dk go back so: at d = 64 an array with d last fills half of each tile's 128
-lanes, and XLA's projections that wrote q and k that way took twice v's time; the MXU takes the
-transposed operands of the scores, dq and dk as they are. The products
-that contract over keys or over d, one per query (the output Σ_k a_h φ(z); backward, the cotangents of
-φ(z) and of a through the output), go to the MXU batched over queries (`_per_query`). On the vector
-unit, the output's sum over keys was a reduction across lanes for every query, head and 8 rows of d,
-and those filled the cross-lane units for the whole of the forward kernel's schedule
-(benchmarks/kernel_schedule.py reads the compiler's schedule; docs/compile_table.md). On TPU these
-products take the MXU's default precision, as XLA's float32 products there do: operands rounded to
-bfloat16, sums in float32.
-
-The vector unit's own work (z, and backward the cotangent of a through z) is written one query at a
-time: whole-tile expressions made the compiler hold each head's [BQ, d, BK] product in VMEM, and the
-stores of those spills bound the backward kernel; per query, a product is a few vregs that the
-compiler keeps in registers (the schedule: backward 21,130 bundles a tile to 19,162, forward 6,215 to
-5,997; grouping 2, 4 or 8 queries does worse). The products that contract per key (z, Σ_d dz v_h,
-dv) stay on the vector unit: batched over keys, the MXU computes z in a third of the vector unit's
-bundles, but key-major, and the transposes to and from the per-query products' layout cost more than
-that (docs/compile_table.md). Only the sums over d of dz v_h leave it, in bfloat16 (`_da`; for a
-whole tile `_da_dv_by_heads`, which forms them and dv in a loop over heads).
-
-The backward pass is one kernel that walks query blocks for each key block, recomputes each tile, and
-accumulates dk and dv on chip, since two kernels in flash attention's split would each redo the tile's
-vector work, most of the time. dq is accumulated on chip too, for the whole row ([T, H, d] in float32,
-2 KiB a token at H x d = 512), and written once, when the last key block has added its share; the
-output's block index stays put until then, so nothing is written before (it was a float32 partial per
-key block, written to HBM and summed by XLA: 1.4 GB per chip and step by the compiler's count for
-configs/c4_50m.py). Causal tiles wholly above the diagonal are neither computed nor fetched.
-No bias, no dropout: lm/attention/__init__.py's table sends those calls to the blocked kernel.
-
-Causal tiles on the diagonal are packed. In 8 groups of 16 queries, group m sees only the tile's first
-16 (m + 1) keys, so two groups whose keys add up to 128 share rows of 128 lanes, the second group's keys
-rolled to the lanes the first leaves free (`_Rows`, `_row_sets`): the value network's per-query work
-(z, the per-query products, dz, dv) takes 72 rows a diagonal tile instead of 128, while the scores and
-weights are formed for the whole tile as before (by the schedule, backward 13,667 -> 9,430 bundles a
-diagonal grid step, forward 6,073 -> 4,365; with 2, 4 or 16 groups, backward 11,267, 10,651, 9,470 and
-forward 5,050, 4,535, 4,490). Each kernel holds a program for the whole tiles below the
-diagonal and one for the packed tiles on it (`_branches`); the compiler's schedule counts every branch
-of a program in every grid step, so launch/aot/kernel_schedule.py builds each alone (`only`) and counts it
-for the steps that run it.
-
-keep_z: the forward kernel also writes each visible tile's z to HBM, in the compute dtype, and the
-backward kernel reads it back instead of recomputing it: 16 of its 24 multiply-adds per (query, key,
-d) triple left on the vector unit, for [rows, visible tiles, BQ, d, BK] in memory per layer (20 MiB a
-row and layer at 512 tokens in bfloat16, growing with the square of the length; lm/attention/__init__.py's
-table lets `auto` take it up to 512 tokens). For relu it keeps φ(z) instead (`_keeps_output`), from which
-the backward kernel has both what it needs: φ(z) itself, which goes to the MXU as kept, and φ', 1
-where φ(z) > 0. On TPU, for relu, the backward pass sees the same numbers either way: φ(z) reaches the
-MXU rounded to bfloat16 (rounding commutes with relu), and φ' needs only z's sign, which rounding keeps.
+XLA's form of the blocked kernel (blocked.py) writes each tile's [rows, queries, keys, d] tensors (z,
+φ(z), their gradients) to HBM between fusions; here a tile's z lives in VMEM only, and HBM sees q, k, v,
+the output and their gradients, as for flash attention. A grid step is one tile of BLOCK_Q queries by
+BLOCK_K keys, keys on the lanes, q, k and v transposed ([d, positions]) so that d = 64 does not leave half
+of each tile's lanes empty. Products that contract over keys or d go to the MXU batched over queries
+(`_per_query`); the vector unit's work (z, the cotangent of a through z) is written one query at a time
+so that the compiler keeps it in registers. The backward pass is one kernel that recomputes each tile and
+accumulates dq, dk and dv on chip. Causal tiles above the diagonal are skipped; those on it pack groups of
+queries with few visible keys into shared rows (`_Rows`, `_row_sets`). keep_z: the forward kernel keeps
+z (for relu, φ(z)) in HBM for the backward kernel instead of recomputing it. No bias, no dropout:
+lm/attention/__init__.py's table sends those calls to the blocked kernel. The tile sizes, layouts and
+loop shapes were chosen by the compiler's schedule for v5e (docs/results/compile_v5e.md).
 """
 
 import dataclasses
@@ -73,14 +26,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from lm.attention import core
 
-# Of tiles of 16, 32, 64 and 128 queries, 128 has the fewest bundles per token in the compiler's
-# schedule for v5e (benchmarks/kernel_schedule.py; measured before the diagonal tiles were packed).
+# Tiles of 128 queries: of 16 to 128, the fewest cycles a token in v5e's schedule
+# (docs/results/compile_v5e.md).
 # A tile's float32 [BQ, d, BK] arrays (z, φ(z), dz) are 4 MB each at d = 64; the backward kernel holds
 # several beside its blocks, so the scoped VMEM limit is raised from 16 MB (a v5e chip has 128 MiB).
 BLOCK_Q, BLOCK_K = 128, 128
 # A causal diagonal tile's queries in GROUPS groups: group m sees the tile's first (m + 1) / GROUPS of
-# the keys, so two groups whose keys fill BLOCK_K lanes between them share rows (`_row_sets`; module
-# docstring).
+# the keys, so two groups whose keys fill BLOCK_K lanes between them share rows (`_row_sets`); 8 by
+# the compiler's schedule (docs/results/compile_v5e.md).
 GROUPS = 8
 FORWARD, BACKWARD = "hypernetwork_fwd", "hypernetwork_bwd"  # the kernels' pallas_call names
 VMEM_LIMIT = 32 * 2**20
@@ -93,7 +46,7 @@ def attend_pallas_hypernetwork(q: jax.Array, k: jax.Array, v: jax.Array, *, knob
                                causal: bool = True, segment_ids: jax.Array | None = None,
                                batch_axes: tuple[str, ...] = (), interpret: bool = False,
                                keep_z: bool = False, only: str | None = None) -> jax.Array:
-  """attention_core.reference's contract for the hypernetwork value network with rms_head or none
+  """core.reference's contract for the hypernetwork value network with rms_head or none
   normalisation, lengths a multiple of BLOCK_K, on each device's shard. interpret: Pallas's
   interpreter (any backend). keep_z: z kept from the forward pass for the backward (module docstring).
   only: "below" or "diagonal" builds kernels that compute only those causal tiles, named
@@ -107,7 +60,7 @@ def attend_pallas_hypernetwork(q: jax.Array, k: jax.Array, v: jax.Array, *, knob
 def _attend(q, k, v, segment_ids, *, static):
   # Kernel layout: heads before positions; q, k and v transposed so that positions are the minor (lane)
   # axis: XLA's projections then write them 128 lanes wide, where [.., d] at d = 64 fills half of each
-  # tile's lanes (the forward projections of q and k took twice v's time on a v5e chip).
+  # tile's lanes.
   qt_bhdt, kt_bhdt, vt_bhdt = (jnp.transpose(x, (0, 2, 3, 1)) for x in (q, k, v))
   seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
   return jnp.swapaxes(_core(static, qt_bhdt, kt_bhdt, vt_bhdt, seg), 1, 2)
@@ -165,17 +118,15 @@ def _tile(static: _Static, q0, k0, qt_hdq, kt_ref, vt_ref, segq_q1, segk_1k, a_r
 
 def _keeps_output(static: _Static) -> bool:
   """Whether keep_z keeps φ(z) rather than z: for relu, whose φ' follows from φ(z) (module docstring);
-  the backward kernel then neither converts z nor forms φ(z) again (backward 14,355 -> 13,706 bundles
-  a grid step, forward 6,067 -> 6,111: benchmarks/kernel_schedule.py)."""
+  the backward kernel then neither converts z nor forms φ(z) again."""
   return static.knobs.nonlinearity == "relu"
 
 
 def _row(a_ref, h: int, q: int) -> jax.Array:
   """a_h's row of query q, [1, BK], to broadcast over d, loaded from the scratch that `_tile` fills: a
   row loaded alone comes replicated over the sublanes (a load of sublane stride 0, in the load slots),
-  where a row broadcast from a register took a sublane permute on the vector unit, and the compiler
-  spilled those rather than redo them (forward 6,288 -> 6,067 bundles a grid step, backward 14,750 ->
-  14,355, benchmarks/kernel_schedule.py)."""
+  where a row broadcast from a register took a sublane permute on the vector unit, which the compiler
+  spilled rather than redo."""
   return a_ref[h, pl.ds(q, 1), :]
 
 
@@ -272,7 +223,7 @@ def _da(da_out_qhk, dz_qdk, vt_hdk, dtype) -> jax.Array:
   v_h, the part through z. In bfloat16 that sum goes query by query: the products on the vector unit,
   rounded to bfloat16, and each head's sum over d on the MXU, as a product with a row of ones in that
   head's row (on the vector unit the sums over d, adds then a reduction across sublanes and the rows
-  put back together, were a third of the backward kernel's schedule). Float32 operands would take the
+  put back together, took much of the backward kernel's schedule). Float32 operands would take the
   MXU twice the pushes, and their spills outgrow the kernel's VMEM: there the sums stay on the vector
   unit."""
   H, d = vt_hdk.shape[:2]
@@ -299,8 +250,8 @@ def _loops_over_heads(dtype) -> bool:
 
 
 def heads_per_trip(H: int) -> int:
-  """Heads per trip of `_da_dv_by_heads`'s loop (by the schedule at 8 heads, bundles a whole backward
-  tile: 1 head a trip 12,867, 2: 12,677, 4: 12,581, all 8 unrolled 16,997)."""
+  """Heads per trip of `_da_dv_by_heads`'s loop: up to 4, the shortest schedule at 8 heads
+  (docs/results/compile_v5e.md)."""
   return next(n for n in (4, 2, 1) if H % n == 0)
 
 
@@ -316,8 +267,7 @@ def _da_dv_by_heads(da_out_qhk, dz_qdk, vt_ref, a_ref, dvt_acc_ref, dz_ref, daz_
   multiply dz by a head's tensor and need all queries, so they run in a loop over heads, a few a trip,
   with dz in a scratch: a head's dv (8 vregs at d = 64) and vᵀ_h stay in registers across the queries.
   Written over the whole tile instead, the compiler formed every head's products first, spilled them,
-  and then fed the MXU (backward 13,667 -> 12,581 bundles a whole tile, benchmarks/kernel_schedule.py,
-  the loop's body counted once a trip). The sums over d go to the MXU 8 queries a product, a row of
+  and then fed the MXU. The sums over d go to the MXU 8 queries a product, a row of
   ones per query: one [8, BK] result per head and 8 queries, in da's layout. Their operands stay
   float32, which on TPU the MXU rounds to bfloat16 as it rounded the products before (pushing the
   rounded products took 4 vector packs per query and head; float32 pushes are twice as many, in MXU

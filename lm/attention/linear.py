@@ -10,8 +10,8 @@ runs (as packing produces), which is what a causal packed batch is.
 attend_pallas_linear, Pallas TPU kernels, quadratic as flash attention is: each tile's masked scores
 [BQ, BK] stay on chip between the MXU products that use them, and HBM sees q, k, v, the output and
 their gradients only. Either direction, any segment ids; no bias, no dropout. `auto` runs them on TPU,
-where XLA writes the chunks' scores and states to HBM between its fusions: configs/c4_50m.py's step
-moved 32.6 GB per chip with the chunks and 13.8 GB with these kernels (docs/compile_table.md).
+where XLA writes the chunks' scores and states to HBM between its fusions, and these kernels move less
+than half of that traffic for configs/c4_50m.py (docs/results/compile_v5e.md).
 """
 
 import functools
@@ -36,7 +36,7 @@ DQ_ACC_LIMIT = 32 * 2**20
 
 def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None = None,
                    chunk: int = CHUNK) -> jax.Array:
-  """attention_core.reference's contract with normalization none, value network linear, causal, no
+  """core.reference's contract with normalization none, value network linear, causal, no
   bias and no dropout (lm/attention/__init__.py's table holds these limits)."""
   B, T, H, K = q.shape
   C = min(chunk, T)
@@ -89,7 +89,7 @@ def visible_tiles(T: int, causal: bool) -> int:
 def attend_pallas_linear(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                          segment_ids: jax.Array | None = None, batch_axes: tuple[str, ...] = (),
                          interpret: bool = False) -> jax.Array:
-  """attention_core.reference's contract with normalization none and value network linear, lengths a
+  """core.reference's contract with normalization none and value network linear, lengths a
   multiple of 128, on each device's shard (heads are independent: they split over a tensor axis).
   interpret: Pallas's interpreter (any backend)."""
 
@@ -135,7 +135,7 @@ def _forward_kernel(*refs, causal, segments):
 
 def _backward_kernel(*refs, causal, segments):
   """dk and dv accumulated over the query blocks of key block j, dq over the key blocks of the row
-  (dq_acc [query blocks, BQ, d]) and written at the last key block, as attention_hypernetwork's
+  (dq_acc [query blocks, BQ, d]) and written at the last key block, as hypernetwork.py's
   backward kernel does: one pass over the tiles for all three."""
   q_ref, k_ref, v_ref, g_ref = refs[:4]
   segq_ref, segk_ref = refs[4:6] if segments else (None, None)

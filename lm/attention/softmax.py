@@ -4,8 +4,8 @@ dot_product: jax.nn.dot_product_attention with implementation=None, so XLA picks
 on GPU when the shapes allow and its own fusion elsewhere. pallas: the Pallas TPU flash attention kernel,
 which tiles sequences in blocks of 128 and takes an additive bias. splash: the Pallas TPU splash
 attention kernel (no bias), which keeps one log-sum-exp per query where flash attention keeps its row
-statistics broadcast over 128 lanes, and computes dq, dk and dv in one backward kernel: about 0.16 GB
-less HBM traffic per layer and step on a v5e chip for configs/c4_50m.py (docs/compile_table.md). None
+statistics broadcast over 128 lanes, and computes dq, dk and dv in one backward kernel: less HBM
+traffic on a v5e chip for configs/c4_50m.py (docs/results/compile_v5e.md). None
 applies attention dropout. Which one runs where is lm/attention/__init__.py's table.
 """
 
@@ -31,7 +31,7 @@ def _bias_4d(bias: jax.Array | None) -> jax.Array | None:
 
 def attend_dot_product(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                        segment_ids: jax.Array | None = None, bias: jax.Array | None = None) -> jax.Array:
-  """attention_core.reference's contract for softmax attention without dropout."""
+  """core.reference's contract for softmax attention without dropout."""
   mask = None
   if segment_ids is not None:
     mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
@@ -43,7 +43,7 @@ def attend_dot_product(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
 def attend_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                   segment_ids: jax.Array | None = None, bias: jax.Array | None = None,
                   batch_axes: tuple[str, ...] = ()) -> jax.Array:
-  """attention_core.reference's contract for softmax attention without dropout, lengths a multiple of
+  """core.reference's contract for softmax attention without dropout, lengths a multiple of
   PALLAS_BLOCK, on each device's shard (core.per_device)."""
   local = lambda q, k, v, seg, bias: _pallas_local(q, k, v, causal, seg, bias)
   return core.per_device(local, q, k, v, segment_ids, _bias_4d(bias), batch_axes)
@@ -52,7 +52,7 @@ def attend_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = Tr
 def attend_splash(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                   segment_ids: jax.Array | None = None, batch_axes: tuple[str, ...] = (),
                   interpret: bool = False) -> jax.Array:
-  """attention_core.reference's contract for softmax attention without bias or dropout, lengths a
+  """core.reference's contract for softmax attention without bias or dropout, lengths a
   multiple of PALLAS_BLOCK; per device as attend_pallas. interpret: Pallas's interpreter (any backend)."""
   local = lambda q, k, v, seg, _: _splash_local(q, k, v, seg, causal, interpret)
   return core.per_device(local, q, k, v, segment_ids, None, batch_axes)

@@ -3,21 +3,15 @@
 A command defines its flags in its `run()`, never on import, so that any modules (and tests and
 scripts with flags of their own) import side by side; `run()` then calls `cli.run(main, __name__)`,
 which sets up the rest:
-- `--help` lists the command's flags. absl lists the flags of the module named by sys.argv[0]; for an
-  installed console script that is the generated wrapper, which defines none, so the defining
-  module's flags are registered under the wrapper's name.
-- Libraries (orbax, jax) log every save and compile at INFO; the progress lines say enough, so the
-  default verbosity is WARNING (`--verbosity=0` brings INFO back).
-- JAX's platform: libtpu is installed (the `tpu` extra) so that lm-compile can compile for TPU
-  topologies, and JAX then tries it first on every host. On a host without TPU chips that attempt
-  fails and libtpu prints an error-looking trace about worker hostnames, so there JAX is told to use
-  the CPU; lm-compile loads libtpu's compiler itself (`jax.experimental.topologies`), which this does
-  not touch. A JAX_PLATFORMS the user set is left as it is.
+- `--help` lists the command's flags, registered under the console-script wrapper's name (absl lists
+  those of the module sys.argv[0] names, the wrapper, which defines none).
+- The default verbosity is WARNING: libraries log every save and compile at INFO (`--verbosity=0`).
+- On a host without TPU chips JAX is told to use the CPU, so that an installed libtpu (the `tpu`
+  extra, for lm-compile) does not print an error-looking trace; a JAX_PLATFORMS the user set stays.
 - The CPU backend's device count: a --config's `cpu_devices`, set before anything starts JAX.
 - TensorStore's tracebacks of operations a failed orbax save or restore abandoned are not shown
   (`_ignore_late_completions`): the command reports that failure in its own line.
-- A --config file that is missing or fails to run, a misspelt --config.* field or a value of the
-  wrong type is one line, not a traceback.
+- A missing or failing --config file, a misspelt --config.* field or a mistyped value is one line.
 """
 
 import os
