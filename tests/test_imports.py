@@ -1,4 +1,4 @@
-"""The package's import graph, read from the source: no cycle and no upward import (docs/design.md,
+"""The package's import graph, read from the source: no cycle and no upward import (docs/reference/design.md,
 Layout), and the attention wing's layering (lm/attention/__init__.py's docstring)."""
 
 import ast

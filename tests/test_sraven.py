@@ -24,7 +24,7 @@ def _features(batch: dict) -> np.ndarray:
 
 
 def _row_fits(rule: str, row) -> bool:
-  """Whether one row (three values) satisfies a rule, straight from docs/paper.md's definitions."""
+  """Whether one row (three values) satisfies a rule, straight from docs/reference/paper.md's definitions."""
   a, b, c = (int(v) for v in row)
   if rule == "constant":
     return a == b == c
