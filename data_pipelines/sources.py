@@ -12,7 +12,6 @@ import json
 import os
 
 import ml_collections
-import tensorflow_datasets as tfds
 from etils import epath
 
 from data_pipelines import corpus, records
@@ -54,6 +53,8 @@ def tfds_split(data_dir: str | os.PathLike, split: str, name: str = C4) -> Docum
           f"to NEW_DIR")
     raise FileNotFoundError(f"{builder_dir} has no '{split}' split ({stem}-{split}.array_record-*); "
                             f"{prepare}")
+  # Imported here: TFDS takes seconds to import and is needed by data.source "c4" alone.
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   return Documents(tfds.data_source(name, data_dir=os.fspath(data_dir), split=split), records.TFDS)
 
 
