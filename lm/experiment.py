@@ -72,6 +72,14 @@ def cpu_compiler_options(kinds: str, platform: str) -> dict[str, str] | None:
   return {"xla_cpu_experimental_ynn_fusion_type": ",".join(f"LIBRARY_FUSION_TYPE_{n.upper()}" for n in names)}
 
 
+def gpu_compiler_options(platform: str, devices: int) -> dict[str, str]:
+  """The XLA options of the steps on GPU: with several GPUs, the latency-hiding scheduler, which
+  overlaps the gradients' all-reduce (and FSDP's gathers) with the backward pass's compute."""
+  if platform != "gpu" or devices < 2:
+    return {}
+  return {"xla_gpu_enable_latency_hiding_scheduler": "true"}
+
+
 # libtpu before 0.0.50 moves the gradient all-reduce out of the microbatch loop (XLA's
 # while-loop-all-reduce-code-motion) even where the loop zeroes the accumulated embedding gradient on
 # all but one device of the all-reduce group, which is how SPMD partitions the gradient of the
@@ -121,7 +129,10 @@ class Experiment:
       raise ValueError(f"eval.batch_size={config.eval.batch_size} is not divisible by the {shards} "
                        f"batch shards of the mesh (data x fsdp); choose a multiple of {shards}")
     platform = self.mesh.devices.flat[0].platform
-    self.compiler_options = cpu_compiler_options(config.get("cpu_library_fusion", ""), platform)
+    self.compiler_options = {
+        **(cpu_compiler_options(config.get("cpu_library_fusion", ""), platform) or {}),
+        **gpu_compiler_options(platform, self.mesh.size)
+    } or None
     micro = microbatch_compiler_options(k, platform, libtpu_version() if platform == "tpu" else None)
     self.train_compiler_options = {**(self.compiler_options or {}), **micro} or None
     cross_entropy.check_impl(config.train.cross_entropy_impl)

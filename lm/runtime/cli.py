@@ -12,7 +12,8 @@ which sets up the rest:
   topologies, and JAX then tries it first on every host. On a host without TPU chips that attempt
   fails and libtpu prints an error-looking trace about worker hostnames, so there JAX is told to use
   the CPU; lm-compile loads libtpu's compiler itself (`jax.experimental.topologies`), which this does
-  not touch. A JAX_PLATFORMS the user set is left as it is.
+  not touch. Where a GPU plugin is installed (the `gpu` extra, or an image's own CUDA build) JAX's own
+  order stands: its GPUs if they start, else the CPU. A JAX_PLATFORMS the user set is left as it is.
 - The CPU backend's device count: a --config's `cpu_devices`, set before anything starts JAX.
 - TensorStore's tracebacks of operations a failed orbax save or restore abandoned are not shown
   (`_ignore_late_completions`): the command reports that failure in its own line.
@@ -20,6 +21,7 @@ which sets up the rest:
   wrong type is one line, not a traceback.
 """
 
+import importlib.metadata
 import os
 import re
 import sys
@@ -32,9 +34,18 @@ from absl import app, flags, logging
 from jax._src import hardware_utils  # the PCI scan JAX itself uses to decide whether TPUs are present
 
 
+def gpu_plugin_installed() -> bool:
+  """Whether a CUDA or ROCm build of jaxlib's plugin is installed (jax-cuda12-plugin, ...)."""
+  return any((d.metadata["Name"] or "").lower().replace("_", "-").startswith(("jax-cuda", "jax-rocm"))
+             for d in importlib.metadata.distributions())
+
+
 def choose_platform() -> None:
-  """CPU on a host without TPU chips, unless JAX_PLATFORMS (jax_platforms) says otherwise."""
-  if not jax.config.jax_platforms and not hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+  """CPU on a host without TPU chips or a GPU plugin, unless JAX_PLATFORMS (jax_platforms) says
+  otherwise."""
+  if jax.config.jax_platforms or hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+    return
+  if not gpu_plugin_installed():
     jax.config.update("jax_platforms", "cpu")
 
 
