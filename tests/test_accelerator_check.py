@@ -14,7 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_accelerator_check_smoke_on_cpu(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   result = subprocess.run([
-      sys.executable, "benchmarks/accelerator_check.py", f"--out={tmp_path}", "--smoke", "--variants=hyla+softmax"
+      sys.executable, "benchmarks/accelerator_check.py", f"--out={tmp_path}", "--smoke",
+      "--variants=hyla+softmax"
   ], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   r = json.loads((tmp_path / "accelerator_check.json").read_text())
