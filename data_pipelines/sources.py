@@ -12,7 +12,6 @@ import json
 import os
 
 import ml_collections
-import tensorflow_datasets as tfds
 from etils import epath
 
 from data_pipelines import corpus, records
@@ -61,6 +60,8 @@ def tfds_split(data_dir: str | os.PathLike, split: str, name: str = C4) -> Docum
         f"of its {missing[1]} shards; copy it again from where the dataset was built, or "
         f"build it again with `tfds build {dataset}:{version} --data_dir={data_dir} "
         f"--file_format=array_record`")
+  # Imported here: TFDS takes seconds to import and is needed by data.source "c4" alone.
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   return Documents(tfds.data_source(name, data_dir=os.fspath(data_dir), split=split), records.TFDS)
 
 

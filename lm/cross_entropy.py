@@ -11,7 +11,8 @@ reads them once in the backward kernel: the same numbers up to float32's roundin
 product fewer, 4 bytes per token and word of memory ("auto" keeps them on TPU up to KEEP_LOGITS_BYTES
 per device). The "fused" one (XLA, CPU's choice) walks the tokens in blocks and forms each block's
 gradient in the same pass as its loss, for the weighted sum of the losses (readout_loss), whose gradient
-is that sum's.
+is that sum's:
+"auto" takes it on CPU and GPU (cuda, rocm), where it holds [512, V] logits at a time, never all.
 """
 
 import functools
@@ -95,7 +96,7 @@ def readout_loss(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: ja
                  weights_bt: jax.Array, *, impl: str = "auto", batch_axes: tuple[str, ...] = sharding.BATCH,
                  interpret: bool = False) -> jax.Array:
   """Σ_bt weights_bt · nll_bt, a float32 scalar, with nll_bt = readout_nll(...). "fused" computes the
-  sum's gradient in its forward pass; "auto" takes it on CPU (the others as readout_nll's "auto")."""
+  sum's gradient in its forward pass; "auto" takes it on CPU and GPU (on TPU readout_nll's "auto")."""
   check_impl(impl)
   plain = lambda x, w, t, wt, impl="auto": (readout_nll(x, w, scale, t, impl=impl, batch_axes=batch_axes,
                                                         interpret=interpret) * wt).sum()
@@ -108,7 +109,8 @@ def readout_loss(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: ja
   fused = lambda *args: per_device(*args).sum()
   if impl == "fused":
     return fused(x_btd, w_dv, targets_bt, weights_bt)
-  return jax.lax.platform_dependent(x_btd, w_dv, targets_bt, weights_bt, cpu=fused, default=plain)
+  return jax.lax.platform_dependent(x_btd, w_dv, targets_bt, weights_bt, cpu=fused, cuda=fused, rocm=fused,
+                                    default=plain)
 
 
 def readout_nll(x_btd: jax.Array, w_dv: jax.Array, scale: float, targets_bt: jax.Array, *, impl: str = "auto",

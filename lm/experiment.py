@@ -130,7 +130,7 @@ class Experiment:
                        f"batch shards of the mesh (data x fsdp); choose a multiple of {shards}")
     platform = self.platform = self.mesh.devices.flat[0].platform
     self.compiler_options, self.train_compiler_options = xla_options.step_options(
-        config.get("cpu_library_fusion", ""), k, platform)
+        config.get("cpu_library_fusion", ""), k, platform, self.mesh.size)
     cross_entropy.check_impl(config.train.cross_entropy_impl)
     if config.train.on_nonfinite not in ("stop", "skip"):
       raise ValueError(f"unknown train.on_nonfinite {config.train.on_nonfinite!r}; choose stop or skip")

@@ -17,8 +17,14 @@ PEAK_FLOPS = {
     "TPU v5p": 459e12,
     "TPU v6 lite": 918e12,
     "TPU v6e": 918e12,
+    # GPUs by the prefix of the device_kind JAX reports ("NVIDIA H100 80GB HBM3", "NVIDIA H200",
+    # "NVIDIA A100-SXM4-80GB"); the longest matching prefix wins, so the PCIe and NVL parts get theirs.
     "NVIDIA H100": 989e12,
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
     "NVIDIA H200": 989e12,
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA GH200": 989e12,
     "NVIDIA A100": 312e12,
 }
 

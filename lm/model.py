@@ -112,16 +112,18 @@ class ModelConfig:
   def layer_knobs(self, layer: int) -> "attention.Knobs":
     return attention.Knobs(**attention.preset(layer_presets(self.attention, self.L)[layer]))
 
-  def attention_call(self, seq_len: int | None = None) -> "attention.Call":
-    """What every layer's self-attention asks of an implementation at this length (None: not known)."""
+  def attention_call(self, seq_len: int | None = None, segments: bool | None = None) -> "attention.Call":
+    """What every layer's self-attention asks of an implementation at this length, with or without
+    packed-document segments (None: not known)."""
     return attention.Call(seq_len, seq_len, self.causal, bias=self.positions == "relative_bias",
-                          dropout=self.attention_dropout > 0)
+                          dropout=self.attention_dropout > 0, segments=segments, dtype=self.dtype,
+                          head_dim=(self.qkv_dim or self.D) // self.H)
 
-  def layer_impl(self, layer: int, seq_len: int, platform: str) -> str:
+  def layer_impl(self, layer: int, seq_len: int, platform: str, segments: bool | None = None) -> str:
     """The implementation layer `layer` runs on `platform` at this length (auto resolved)."""
     if self.attention_impl != "auto":
       return self.attention_impl
-    return attention.choose_impl(self.layer_knobs(layer), self.attention_call(seq_len))[platform]
+    return attention.choose_impl(self.layer_knobs(layer), self.attention_call(seq_len, segments))[platform]
 
   @property
   def K(self) -> int:
@@ -296,7 +298,8 @@ class Attention(nn.Module):
       bias_bhqk = None if bias_bhqk is None else bias_bhqk[:, :, q0:]
       if impl != "auto" and attention.unsupported(
           impl, knobs,
-          attention.Call(T - q0, T, cfg.causal, bias_bhqk is not None, cfg.attention_dropout > 0, True)):
+          attention.Call(T - q0, T, cfg.causal, bias_bhqk is not None, cfg.attention_dropout > 0, True,
+                         segment_ids_bt is not None, q_bthk.dtype.name, q_bthk.shape[-1])):
         impl = "auto"
     if self.decode_len:
       if decode_cache.kind(knobs, bias_bhqk is not None) == "recurrent":

@@ -1,6 +1,7 @@
 """The XLA compiler options a run's jitted steps take, per platform.
 
-On CPU, which operations XLA hands to the YNNPACK library (config.cpu_library_fusion). On an
+On CPU, which operations XLA hands to the YNNPACK library (config.cpu_library_fusion). On several
+GPUs, the latency-hiding scheduler. On an
 accelerator, the pass that a libtpu before FIXED_LIBTPU (and XLA's GPU compiler, which cannot be
 checked here) runs wrongly on the train step's microbatch loop is turned off.
 """
@@ -33,6 +34,14 @@ def cpu_compiler_options(kinds: str, platform: str) -> dict[str, str] | None:
   return {"xla_cpu_experimental_ynn_fusion_type": ",".join(f"LIBRARY_FUSION_TYPE_{n.upper()}" for n in names)}
 
 
+def gpu_compiler_options(platform: str, devices: int) -> dict[str, str]:
+  """The XLA options of the steps on GPU: with several GPUs, the latency-hiding scheduler, which
+  overlaps the gradients' all-reduce (and FSDP's gathers) with the backward pass's compute."""
+  if platform != "gpu" or devices < 2:
+    return {}
+  return {"xla_gpu_enable_latency_hiding_scheduler": "true"}
+
+
 def libtpu_version() -> str | None:
   """The installed libtpu's version, or None when there is none."""
   try:
@@ -52,9 +61,12 @@ def microbatch_compiler_options(microbatches: int, platform: str, libtpu: str | 
   return {"xla_disable_hlo_passes": "while-loop-all-reduce-code-motion"}
 
 
-def step_options(cpu_library_fusion: str, microbatches: int,
-                 platform: str) -> tuple[dict[str, str] | None, dict[str, str] | None]:
+def step_options(cpu_library_fusion: str, microbatches: int, platform: str,
+                 devices: int) -> tuple[dict[str, str] | None, dict[str, str] | None]:
   """The XLA options of the eval step and of the train step (None: XLA's defaults)."""
-  common = cpu_compiler_options(cpu_library_fusion, platform)
+  common = {
+      **(cpu_compiler_options(cpu_library_fusion, platform) or {}),
+      **gpu_compiler_options(platform, devices)
+  } or None
   micro = microbatch_compiler_options(microbatches, platform, libtpu_version() if platform == "tpu" else None)
   return common, {**(common or {}), **micro} or None

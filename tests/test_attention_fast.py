@@ -365,13 +365,12 @@ def _chosen(preset, *, t=4096, causal=True, bias=False, dropout=False):
 
 @pytest.mark.parametrize("dropout", [False, True])
 def test_auto_picks_a_memory_linear_implementation_for_every_variant(dropout):
-  """At training lengths, on CPU and TPU, for every preset, with and without dropout. (On GPU, softmax
-  without dropout goes to jax.nn.dot_product_attention, which is cuDNN's flash attention there when
-  the shapes allow.)"""
+  """At training lengths, on CPU, TPU and GPU, for every preset, with and without dropout
+  (tests/test_attention_gpu.py has the GPU's choices in detail)."""
   for name in attention.PRESETS:
     chosen = _chosen(name, dropout=dropout)
-    assert all(attention.IMPLS[chosen[p]].memory_linear for p in ("cpu", "tpu")), (name, chosen)
-  assert _chosen("softmax") == {"cpu": "blocked", "tpu": "splash", "gpu": "dot_product"}
+    assert all(attention.IMPLS[chosen[p]].memory_linear for p in attention.PLATFORMS), (name, chosen)
+  assert _chosen("softmax") == {"cpu": "blocked", "tpu": "splash", "gpu": "cudnn"}
   assert _chosen("softmax", bias=True)["tpu"] == "pallas"  # splash takes no bias
   assert _chosen("softmax", t=512)["cpu"] == "dot_product"
   assert _chosen("linear") == {"cpu": "chunked", "tpu": "pallas_linear", "gpu": "chunked"}

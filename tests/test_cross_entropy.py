@@ -137,6 +137,19 @@ def test_auto_takes_the_plain_form_per_token_and_the_fused_form_for_the_sum_on_c
   assert "tpu_custom_call" not in summed and "stablehlo.while" in summed
 
 
+def test_auto_takes_the_fused_form_on_gpu_as_on_cpu():
+  """readout_loss's platform_dependent: CUDA and ROCm lower the branch CPU lowers (the fused form, a
+  custom_vjp over token blocks), TPU the default (readout_nll's kernels)."""
+  x, w, y, weights = _problem()
+  jaxpr = jax.make_jaxpr(lambda x, w: cross_entropy.readout_loss(x, w, 1.0, y, weights))(x, w).jaxpr
+  cond = next(e for e in jaxpr.eqns if e.primitive.name == "cond" and e.params.get("branches_platforms"))
+  platforms = cond.params["branches_platforms"]
+  branch = lambda p: next(i for i, ps in enumerate(platforms) if ps is None or p in ps)
+  assert branch("cuda") == branch("rocm") == branch("cpu") != branch("tpu")
+  fused = cond.params["branches"][branch("cuda")].jaxpr
+  assert "custom_vjp_call" in {e.primitive.name for e in fused.eqns}
+
+
 def test_kernels_and_the_fused_form_under_a_mesh_sum_the_readouts_gradient_over_devices():
   """Four CPU devices, rows sharded over `data`: each device's kernels (or fused pass) see their rows
   only, and w's gradient is the sum over devices (shard_map's transpose), equal to the unsharded one."""

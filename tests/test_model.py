@@ -269,6 +269,29 @@ def test_hybrid_flops_are_the_sum_of_their_layers():
   assert per_token("hyla,hyla,hyla,softmax") == (3 * per_token("hyla") + per_token("softmax")) / 4
 
 
+@pytest.mark.parametrize("kind,peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H200", 989e12),
+    ("NVIDIA H200 NVL", 835e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA A100-SXM4-40GB", 312e12),
+    ("NVIDIA A100 80GB PCIe", 312e12),
+    ("TPU v5 lite", 197e12),
+])
+def test_peak_flops_of_gpus_and_tpus_by_the_device_kind_jax_reports(kind, peak):
+  """Dense bfloat16 peaks from the vendors' sheets, summed over the devices (the MFU's denominator)."""
+  device = lambda: type("Device",
+                        (), dict(platform="tpu" if kind.startswith("TPU") else "gpu", device_kind=kind))()
+  assert flops.peak_flops([device()]) == peak
+  assert flops.peak_flops([device() for _ in range(8)]) == 8 * peak
+
+
+def test_peak_flops_of_an_unknown_gpu_is_none():
+  device = type("Device", (), dict(platform="gpu", device_kind="NVIDIA GeForce RTX 3090"))()
+  assert flops.peak_flops([device]) is None
+
+
 def _products(jaxpr):
   """Every matrix product (dot_general) in a jaxpr, into nested calls."""
   for eqn in jaxpr.eqns:

@@ -6,6 +6,10 @@ dropout, value network), through the implementation `impl` names. `IMPLS` below 
 implementation supports; validation (`check`), the choice of `impl="auto"` (`choose_impl`) and dispatch
 read it and nothing else. `impl="reference"` is the literal definition, the ground truth the others are
 tested against; `auto` takes, per platform, the first row of the table that supports the call.
+What runs on GPU: softmax through cuDNN's flash attention (`cudnn`) where it holds (bfloat16 or
+float16, no packed-document segments, no bias), else jax's Pallas GPU flash attention (`pallas_gpu`,
+which takes segment ids), XLA's [T, T] form (`dot_product`) only at short lengths; linear attention
+`chunked`; every other setting `blocked`.
 
 Where a change goes (docs/reference/attention.md has the full checklist):
   - a normalisation: core.NORMALIZATIONS and core.normalize, its numpy version in tests/test_attention.py;
@@ -76,6 +80,9 @@ class Impl(NamedTuple):
   cross: bool = False  # query and key lengths may differ, at explicit positions (`positions`)
   tile: int = 1  # lengths must be multiples of this
   memory_linear: bool = True  # training memory linear in the sequence length
+  segments: bool = True  # takes packed-document segment ids
+  dtypes: tuple[str, ...] = ()  # the input dtypes it takes; empty: any
+  head_dims: tuple[int, int] = (1, 2**31)  # head widths it takes: (a multiple of, at most)
 
 
 # Platforms `auto` chooses for; "gpu" is lax.platform_dependent's default branch (cuda, rocm).
@@ -86,6 +93,9 @@ ANYWHERE = {p: None for p in PLATFORMS}
 CPU_BLOCKED_FROM = 1024
 # On TPU, auto has HYLA's kernels keep z for the backward pass up to this length (see the table).
 KEEP_Z_UP_TO = 512
+# On GPU, XLA's softmax attention ([T, T] scores in memory) only where no fused kernel serves the call
+# and the scores stay small.
+GPU_DOT_PRODUCT_UP_TO = 512
 
 # Table order is auto's preference.
 IMPLS: dict[str, Impl] = {
@@ -120,11 +130,23 @@ IMPLS: dict[str, Impl] = {
     "chunked":
         Impl(linear.attend_chunked, computes=("linear",), bidirectional=False, bias=False, dropout=False,
              auto=ANYWHERE),
-    # jax.nn.dot_product_attention: XLA's fusion, or cuDNN's flash attention on GPU.
+    # cuDNN's flash attention (jax.nn.dot_product_attention, implementation="cudnn"), GPU only:
+    # bfloat16 or float16, head widths a multiple of 8 up to 128, causal or not, as many keys as
+    # queries; no segments (jax passes a mask as a [T, T] bias), bias or dropout.
+    "cudnn":
+        Impl(softmax.attend_cudnn, computes=("softmax",), bias=False, dropout=False, segments=False,
+             dtypes=softmax.CUDNN_DTYPES, head_dims=(softmax.CUDNN_HEAD_MULTIPLE, softmax.CUDNN_MAX_HEAD),
+             auto={"gpu": None}),
+    # jax's Pallas GPU (Triton) flash attention (lm/attention/softmax.py), in a shard_map over the
+    # mesh: segment ids, any float dtype, lengths a multiple of 128; no bias or dropout.
+    "pallas_gpu":
+        Impl(functools.partial(softmax.attend_pallas_gpu, batch_axes=sharding.BATCH), computes=("softmax",),
+             bias=False, dropout=False, tile=softmax.PALLAS_BLOCK, auto={"gpu": None}),
+    # jax.nn.dot_product_attention as XLA forms it on every platform: the [T, T] scores in memory.
     "dot_product":
         Impl(softmax.attend_dot_product, computes=("softmax",), dropout=False, memory_linear=False, auto={
             "cpu": CPU_BLOCKED_FROM - 1,
-            "gpu": None
+            "gpu": GPU_DOT_PRODUCT_UP_TO
         }),
     # Every setting, tiled over query and key blocks (lm/attention/blocked.py).
     "blocked":
@@ -135,6 +157,15 @@ IMPLS: dict[str, Impl] = {
 }
 
 
+@functools.cache
+def gpu_backend() -> bool:
+  """Whether this process has a GPU backend (a CUDA or ROCm plugin with devices)."""
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
 class Call(NamedTuple):
   """What a call asks of an implementation besides the knobs; lengths None when not yet known."""
   q_len: int | None
@@ -143,6 +174,10 @@ class Call(NamedTuple):
   bias: bool
   dropout: bool
   positions: bool = False  # explicit query and key positions (a decoding cache)
+  # Packed-document segment ids, the inputs' dtype name and head width; None when not yet known.
+  segments: bool | None = None
+  dtype: str | None = None
+  head_dim: int | None = None
 
 
 def keeps_z(name: str) -> bool:
@@ -169,6 +204,15 @@ def unsupported(name: str, knobs: Knobs, call: Call) -> str | None:
     return "applies no attention dropout; use impl 'auto' or 'blocked', or attention_dropout 0"
   if call.positions and not impl.cross:
     return "takes no explicit query and key positions; use impl 'auto' or 'reference'"
+  if call.segments and not impl.segments:
+    return "takes no packed-document segment ids; use impl 'auto' or 'pallas_gpu'"
+  if impl.dtypes and call.dtype is not None and call.dtype not in impl.dtypes:
+    return (f"takes {' or '.join(impl.dtypes)} inputs, got {call.dtype}; set model.dtype=bfloat16 or use "
+            f"impl 'auto'")
+  multiple, most = impl.head_dims
+  if call.head_dim is not None and (call.head_dim % multiple or call.head_dim > most):
+    return (f"takes head widths that are a multiple of {multiple} up to {most}, got {call.head_dim}; use "
+            f"impl 'auto'")
   if call.q_len is None:
     return None
   if call.q_len != call.k_len and not impl.cross:
@@ -208,7 +252,9 @@ def choose_impl(knobs: Knobs, call: Call) -> dict[str, str]:
 
 def _run(name: str, q, k, v, *, knobs, causal, segment_ids, bias, dropout_rate, dropout_rng, positions):
   """Implementation `name` given the arguments its row says it takes."""
-  impl, kw = IMPLS[name], dict(segment_ids=segment_ids)
+  impl, kw = IMPLS[name], {}
+  if impl.segments:
+    kw["segment_ids"] = segment_ids
   if impl.cross:
     kw["positions"] = positions
   if len(impl.computes) != 1:
@@ -240,9 +286,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: str, valu
     raise ValueError(f"attention dropout_rate must be in [0, 1), got {dropout_rate}")
   if dropout_rate and dropout_rng is None:
     raise ValueError("attention dropout needs dropout_rng (a jax.random key)")
-  call = Call(q.shape[1], k.shape[1], causal, bias is not None, dropout_rate > 0, positions is not None)
+  call = Call(q.shape[1], k.shape[1], causal, bias is not None, dropout_rate > 0, positions is not None,
+              segment_ids is not None, q.dtype.name, q.shape[-1])
   check(impl, knobs, call)
   chosen = choose_impl(knobs, call) if impl == "auto" else dict.fromkeys(PLATFORMS, impl)
+  if impl == "auto" and not gpu_backend():
+    # platform_dependent traces every branch, and cuDNN's wrapper refuses to trace without cuDNN;
+    # a process with no GPU never lowers the GPU branch, so it gets the CPU's choice.
+    chosen["gpu"] = chosen["cpu"]
   run = {
       name:
           functools.partial(_run, name, knobs=knobs, causal=causal, segment_ids=segment_ids, bias=bias,

@@ -1,7 +1,10 @@
 """Softmax attention (normalization softmax, value network linear) through fused kernels.
 
-dot_product: jax.nn.dot_product_attention with implementation=None, so XLA picks cuDNN's flash attention
-on GPU when the shapes allow and its own fusion elsewhere. pallas: the Pallas TPU flash attention kernel,
+dot_product: jax.nn.dot_product_attention with implementation=None, which is XLA's own form on every
+platform (the [T, T] scores materialised). cudnn: the same function with implementation="cudnn",
+cuDNN's fused flash attention (GPU only; bfloat16 or float16, head width a multiple of 8 up to 128, no
+mask tensor, so no packed-document segments). pallas_gpu: jax's Pallas GPU (Triton) flash attention,
+which takes segment ids and tiles sequences in blocks of 128. pallas: the Pallas TPU flash attention kernel,
 which tiles sequences in blocks of 128 and takes an additive bias. splash: the Pallas TPU splash
 attention kernel (no bias), which keeps one log-sum-exp per query where flash attention keeps its row
 statistics broadcast over 128 lanes, and computes dq, dk and dv in one backward kernel: less HBM
@@ -20,6 +23,11 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from lm.attention import core
 
 PALLAS_BLOCK = 128
+# What cuDNN's flash attention takes through jax.nn.dot_product_attention (jax/_src/cudnn's
+# check_layout and check_is_flash_attention): fp16/bf16, a head width that is a multiple of 8 and at
+# most 128 (256 on Hopper and later; 128 holds on every GPU).
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_HEAD_MULTIPLE, CUDNN_MAX_HEAD = 8, 128
 SPLASH_MAX_BLOCK = 512
 # The prefixes of the splash kernels' names (the library's), as the TPU compiler's dumps carry them.
 SPLASH_FORWARD, SPLASH_BACKWARD = "splash_mha_fwd", "splash_mha_dkv"
@@ -38,6 +46,27 @@ def attend_dot_product(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
   bias = _bias_4d(bias)
   return jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype), mask=mask,
                                       is_causal=causal)
+
+
+def attend_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) -> jax.Array:
+  """attention_core.reference's contract for softmax attention without segments, bias or dropout, on
+  GPU, inputs in CUDNN_DTYPES; cuDNN skips the masked blocks of a causal call."""
+  if jax.default_backend() != "gpu":
+    raise ValueError(f"attention impl 'cudnn' runs on GPU only, not {jax.default_backend()}; use impl 'auto'")
+  return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def attend_pallas_gpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+                      segment_ids: jax.Array | None = None, batch_axes: tuple[str, ...] = (),
+                      interpret: bool = False) -> jax.Array:
+  """attention_core.reference's contract for softmax attention without bias or dropout, lengths a
+  multiple of PALLAS_BLOCK, through jax's Pallas GPU flash attention on each device's shard
+  (core.per_device). interpret: Pallas's interpreter (any backend)."""
+  # Imported here: the Triton lowering is GPU-only, and CPU and TPU runs never trace this function.
+  from jax.experimental.pallas.ops.gpu import attention as pallas_gpu  # pylint: disable=import-outside-toplevel
+  local = lambda q, k, v, seg, _: pallas_gpu.mha(q, k, v, seg, sm_scale=q.shape[-1]**-0.5, causal=causal,
+                                                 interpret=interpret)
+  return core.per_device(local, q, k, v, segment_ids, None, batch_axes)
 
 
 def attend_pallas(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,

@@ -7,13 +7,16 @@ which sets up the rest:
   those of the module sys.argv[0] names, the wrapper, which defines none).
 - The default verbosity is WARNING: libraries log every save and compile at INFO (`--verbosity=0`).
 - On a host without TPU chips JAX is told to use the CPU, so that an installed libtpu (the `tpu`
-  extra, for lm-compile) does not print an error-looking trace; a JAX_PLATFORMS the user set stays.
+  extra, for lm-compile) does not print an error-looking trace; where a GPU plugin is installed (the
+  `gpu` extra, or an image's own CUDA build) JAX's own order stands (its GPUs, else the CPU); a
+  JAX_PLATFORMS the user set stays.
 - The CPU backend's device count: a --config's `cpu_devices`, set before anything starts JAX.
 - TensorStore's tracebacks of operations a failed orbax save or restore abandoned are not shown
   (`_ignore_late_completions`): the command reports that failure in its own line.
 - A missing or failing --config file, a misspelt --config.* field or a mistyped value is one line.
 """
 
+import importlib.metadata
 import os
 import re
 import sys
@@ -26,9 +29,18 @@ from absl import app, flags, logging
 from jax._src import hardware_utils  # the PCI scan JAX itself uses to decide whether TPUs are present
 
 
+def gpu_plugin_installed() -> bool:
+  """Whether a CUDA or ROCm build of jaxlib's plugin is installed (jax-cuda12-plugin, ...)."""
+  return any((d.metadata["Name"] or "").lower().replace("_", "-").startswith(("jax-cuda", "jax-rocm"))
+             for d in importlib.metadata.distributions())
+
+
 def choose_platform() -> None:
-  """CPU on a host without TPU chips, unless JAX_PLATFORMS (jax_platforms) says otherwise."""
-  if not jax.config.jax_platforms and not hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+  """CPU on a host without TPU chips or a GPU plugin, unless JAX_PLATFORMS (jax_platforms) says
+  otherwise."""
+  if jax.config.jax_platforms or hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+    return
+  if not gpu_plugin_installed():
     jax.config.update("jax_platforms", "cpu")
 
 
