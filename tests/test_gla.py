@@ -126,9 +126,13 @@ def test_the_table_routes_gated_calls_to_the_gated_rows():
     attention.attend(q, k, v, **GLA, log_gate=g[:, :3])
 
 
-@pytest.mark.parametrize("bad", [dict(causal=False), dict(positions="relative_bias")])
-def test_gla_is_causal_and_takes_no_position_bias(bad):
-  with pytest.raises(ValueError, match="gated attention is causal and takes no position bias"):
+@pytest.mark.parametrize(
+    "bad",
+    [dict(causal=False), dict(positions="relative_bias"),
+     dict(attention_dropout=0.1)])
+def test_gla_is_causal_and_takes_no_position_bias_or_dropout(bad):
+  with pytest.raises(ValueError,
+                     match="gated attention is causal and takes no position bias or attention dropout"):
     model_lib.ModelConfig(V=8, D=16, H=2, attention="gla", **bad)
 
 

@@ -210,10 +210,12 @@ def check(impl: str, knobs: Knobs, call: Call) -> None:
   """Raises a ValueError naming the fix when `impl` cannot serve the call."""
   if impl != "auto" and impl not in IMPLS:
     raise ValueError(f"unknown attention impl {impl!r}; choose one of: auto, {', '.join(IMPLS)}")
-  if knobs.gated and (not call.causal or call.bias):
-    # A gate decays the past, and the recurrent decoding state is exact only without a position bias.
-    raise ValueError("gated attention is causal and takes no position bias; set model.causal=True and "
-                     "model.positions to rotary, learned or none")
+  if knobs.gated and (not call.causal or call.bias or call.dropout):
+    # A gate decays the past; its recurrent decoding state is exact only without a position bias; and
+    # its chunks never form the (query, key) pairs that dropout would drop.
+    raise ValueError("gated attention is causal and takes no position bias or attention dropout; set "
+                     "model.causal=True, model.positions to rotary, learned or none, and "
+                     "model.attention_dropout=0")
   reason = None if impl == "auto" else unsupported(impl, knobs, call)
   if reason:
     raise ValueError(f"attention impl {impl!r} {reason}")
