@@ -26,9 +26,15 @@ METRICS = {
                ("final-layer OOD rule decoding", "latent", "decoding"), ("test loss", "test", "loss")],
     "fuzzy_logic": [("OOD R²", "ood", "r2"), ("test R²", "test", "r2"), ("unknown-terms R²", "unknown", "r2"),
                     ("final-layer OOD term decoding", "latent", "decoding"), ("test MSE", "test", "mse")],
+    "mqar": [("query accuracy", "test", "accuracy"), ("test loss", "test", "loss")],
 }
 # What the best config value minimises.
-SELECT = {"lm": ("validation", "loss"), "sraven": ("test", "loss"), "fuzzy_logic": ("test", "mse")}
+SELECT = {
+    "lm": ("validation", "loss"),
+    "sraven": ("test", "loss"),
+    "fuzzy_logic": ("test", "mse"),
+    "mqar": ("test", "loss")
+}
 
 
 def load_points(root: epath.Path) -> list[dict]:

@@ -20,6 +20,9 @@ POSITIONS = ("rotary", "relative_bias", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # What the backward pass recomputes instead of reading back from memory (docs/results/compile_v5e.md).
 REMATS = ("none", "mlp", "block")
+# GLA's forget gate (Yang et al. 2024, section 4.4): log α = logsigmoid(x W1 W2 + b) / τ, W1 W2 of rank
+# 16; the temperature τ = 16 keeps α near 1 at the start, so that the state forgets slowly.
+GATE_RANK, GATE_TEMPERATURE = 16, 16.0
 # Initial scale of the weights that write into the residual stream (attention and MLP outputs):
 # 1/sqrt(fan-in x 2L) (GPT-2's depth scaling) or 1/sqrt(fan-in) (flax's default, the paper's code).
 RESIDUAL_INITS = ("depth", "fan_in")
@@ -159,6 +162,18 @@ def _bias(module: nn.Module, name: str, shape: tuple[int, ...], *axes: str | Non
   return module.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape).astype(dtype)
 
 
+def _log_gate(module: nn.Module, x_btd: jax.Array) -> jax.Array:
+  """A gated layer's log α [B, T, H, K] in float32, from its input (GATE_RANK, GATE_TEMPERATURE)."""
+  cfg, dtype = module.cfg, DTYPES[module.cfg.dtype]
+  w1_dr = module.param("gate_w1", _init(cfg.D**-0.5, "embed", None), (cfg.D, GATE_RANK)).astype(dtype)
+  w2_rhk = module.param("gate_w2", _init(GATE_RANK**-0.5, None, "heads", None),
+                        (GATE_RANK, cfg.H, cfg.K)).astype(dtype)
+  b_hk = module.param("gate_b", nn.with_logical_partitioning(nn.initializers.zeros, ("heads", None)),
+                      (cfg.H, cfg.K))
+  logits_bthk = product(cfg, "btr,rhk->bthk", product(cfg, "btd,dr->btr", x_btd, w1_dr), w2_rhk)
+  return jax.nn.log_sigmoid(logits_bthk.astype(jnp.float32) + b_hk) / GATE_TEMPERATURE
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _low_precision_einsum(spec: str, low, x, w):
   return _low_precision_einsum_fwd(spec, low, x, w)[0]
@@ -291,6 +306,7 @@ class Attention(nn.Module):
     q_bthk = project(x_btd[:, q0:], w["wq"], bq_hk, positions_bt[:, q0:])
     k_bthk = project(x_btd, w["wk"], bk_hk, positions_bt)
     knobs = cfg.layer_knobs(self.layer)
+    log_gate_bthk = _log_gate(self, x_btd) if knobs.gated else None
     positions, impl = None, cfg.attention_impl
     if q0:
       # Explicit (query, key) positions: causality and dropout's pair hashes see the rows' true places.
@@ -303,7 +319,7 @@ class Attention(nn.Module):
         impl = "auto"
     if self.decode_len:
       if decode_cache.kind(knobs, bias_bhqk is not None) == "recurrent":
-        out_bthk = decode_cache.RecurrentState(name="state")(q_bthk, k_bthk, v_bthk)
+        out_bthk = decode_cache.RecurrentState(name="state")(q_bthk, k_bthk, v_bthk, log_gate_bthk)
       else:
         out_bthk = decode_cache.KeyValueCache(self.decode_len, knobs, name="kv")(q_bthk, k_bthk, v_bthk,
                                                                                  positions_bt, bias_bhqk)
@@ -312,14 +328,15 @@ class Attention(nn.Module):
       self.sow(
           "codes", "a_bhqk",
           attention.normalized_scores(q_bthk, k_bthk, normalization=knobs.normalization, causal=cfg.causal,
-                                      segment_ids=segment_ids_bt, bias=bias_bhqk, positions=positions))
+                                      segment_ids=segment_ids_bt, bias=bias_bhqk, positions=positions,
+                                      log_gate=log_gate_bthk))
     dropout = 0.0 if self.deterministic else cfg.attention_dropout
     out_bthk = attention.attend(q_bthk, k_bthk, v_bthk, normalization=knobs.normalization,
                                 value_network=knobs.value_network, nonlinearity=knobs.nonlinearity,
                                 causal=cfg.causal, segment_ids=segment_ids_bt, bias=bias_bhqk, impl=impl,
                                 dropout_rate=dropout,
                                 dropout_rng=self.make_rng("dropout") if dropout else None,
-                                positions=positions)
+                                positions=positions, log_gate=log_gate_bthk)
     return product(cfg, "bthk,hkd->btd", out_bthk, wo_hkd) + bo_d
 
 

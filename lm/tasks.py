@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 
 from data_pipelines import pipeline, sources
-from lm import cross_entropy, stats, tasks_compositional
+from lm import cross_entropy, stats, tasks_compositional, tasks_recall
 
 Batch = dict[str, np.ndarray]
 
@@ -146,7 +146,8 @@ class LanguageModeling:
 TASKS = {
     "lm": LanguageModeling,
     "sraven": tasks_compositional.Sraven,
-    "fuzzy_logic": tasks_compositional.FuzzyLogic
+    "fuzzy_logic": tasks_compositional.FuzzyLogic,
+    "mqar": tasks_recall.Mqar,
 }
 
 

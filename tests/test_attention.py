@@ -163,12 +163,13 @@ def test_presets_cover_the_paper_ablations():
   assert knobs["linear"]["normalization"] == "none" and knobs["linear"]["value_network"] == "linear"
   assert knobs["hyla"] == dict(normalization="rms_head", value_network="hypernetwork", nonlinearity="relu")
   settings = {(k["normalization"], k["value_network"],
-               k["nonlinearity"] if k["value_network"] == "hypernetwork" else None) for k in knobs.values()}
+               k["nonlinearity"] if k["value_network"] == "hypernetwork" else None, k.get("gated", False))
+              for k in knobs.values()}
   assert len(settings) == len(knobs), "two presets with the same math"
   for phi in ("gelu", "silu", "sigmoid", "tanh", "identity", "relu"):
-    assert ("rms_head", "hypernetwork", phi) in settings
+    assert ("rms_head", "hypernetwork", phi, False) in settings
   for norm in attention.NORMALIZATIONS:
-    assert (norm, "hypernetwork", "relu") in settings and (norm, "linear", None) in settings
+    assert (norm, "hypernetwork", "relu", False) in settings and (norm, "linear", None, False) in settings
 
 
 @pytest.mark.parametrize("bad,message", [

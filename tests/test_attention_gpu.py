@@ -35,8 +35,9 @@ def test_auto_on_gpu_takes_cudnn_where_it_holds_and_pallas_flash_attention_other
 def test_auto_on_gpu_takes_chunked_linear_and_blocked_for_everything_else():
   assert _gpu("linear") == _gpu("linear", segments=True, dtype="float32") == "chunked"
   assert _gpu("linear", causal=False) == "blocked"
+  assert _gpu("gla") == _gpu("gla", segments=True) == "gla_chunked"
   for name in attention.PRESETS:
-    if name not in ("softmax", "linear"):
+    if name not in ("softmax", "linear", "gla"):
       assert _gpu(name) == _gpu(name, segments=True) == "blocked", name
 
 
@@ -44,7 +45,8 @@ def test_auto_on_gpu_takes_chunked_linear_and_blocked_for_everything_else():
 def test_auto_on_gpu_is_memory_linear_at_every_training_length(segments):
   for name in attention.PRESETS:
     for t in (1024, 2048, 4096, 1000):
-      for dropout in (False, True):
+      # Gated attention takes no dropout (attention.check refuses it).
+      for dropout in (False,) if attention.preset(name).get("gated") else (False, True):
         chosen = _gpu(name, t=t, segments=segments, dropout=dropout)
         assert attention.IMPLS[chosen].memory_linear, (name, t, chosen)
 

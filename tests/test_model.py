@@ -66,11 +66,15 @@ def _param_shapes(**kw):
 
 
 def test_variants_have_identical_parameter_counts():
+  """The paper's variants add no parameters; a gated one adds only its gate's (GLA: W1, W2, b)."""
   counts = {name: model_lib.count_params(_param_shapes(attention=name)) for name in attention.PRESETS}
-  assert len(set(counts.values())) == 1, counts
+  ungated = {n: c for n, c in counts.items() if not attention.preset(n).get("gated")}
+  assert len(set(ungated.values())) == 1, counts
   D, L, F, V = 32, 2, 64, 50
   per_block = 4 * D * D + 2 * D * F + 2 * 2 * D  # q,k,v,o; MLP; two LayerNorms
   assert counts["hyla"] == V * D + L * per_block + 2 * D + D * V
+  r = model_lib.GATE_RANK
+  assert counts["gla"] - counts["linear"] == L * (D * r + r * D + D)
 
 
 def test_tied_embeddings_drop_the_output_matrix():

@@ -59,16 +59,16 @@ EVERY_PRESET = ",".join(attention.PRESETS)
 
 @pytest.mark.parametrize("attention_field,positions,prompt_len",
                          [(EVERY_PRESET, "rotary", 1), ("softmax,linear,hyla", "relative_bias", PROMPT),
-                          ("linear,hyla", "learned", PROMPT)])
+                          ("linear,hyla,gla", "learned", PROMPT)])
 def test_decoding_gives_the_full_forward_logits(attention_field, positions, prompt_len):
   cfg = tiny(attention_field, positions=positions)
   tokens_bt, params = init(cfg)
   full_btv = np.asarray(jax.jit(model_lib.Transformer(cfg).apply)({"params": params}, tokens_bt))
   incremental_btv, caches = incremental(cfg, params, tokens_bt, prompt_len)
   np.testing.assert_allclose(incremental_btv, full_btv, rtol=1e-5, atol=1e-5 * np.abs(full_btv).max())
-  # Linear attention keeps its recurrent state unless a position bias makes it need every key.
+  # Linear attention (and GLA) keeps its recurrent state unless a position bias makes it need every key.
   kinds = {
-      name: "state" if name == "linear" and positions != "relative_bias" else "kv"
+      name: "state" if name in ("linear", "gla") and positions != "relative_bias" else "kv"
       for name in attention.PRESETS
   }
   layers = attention_field.split(",")

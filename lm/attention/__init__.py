@@ -17,6 +17,9 @@ Where a change goes (docs/reference/attention.md has the full checklist):
   - a value network: core.VALUE_NETWORKS (its products per pair, which lm/flops.py counts) and
     core.apply_value_network, with a test in tests/test_attention.py. A new φ: core.NONLINEARITIES.
   - a named variant: a row of PRESETS (the model config's `attention` names one).
+  - a gated variant (scores decayed by a gate made from the layer's input, `gated=True`): the gate's
+    parameters in lm/model.py (`_log_gate`), its decoding state in lm/attention/decode_cache.py; only
+    the rows with `gate` take its log α (lm/attention/gated.py: the recurrence and its chunked form).
   - an implementation: a module lm/attention/<name>.py that imports only core.py, a row of IMPLS, and
     its comparison with the reference (values and gradients) in tests/test_attention_fast.py.
 """
@@ -31,14 +34,16 @@ from lm import sharding
 from lm.attention import (
     blocked,
     core,
+    gated,
     hypernetwork,
     linear,
     softmax,
 )
 from lm.attention.core import NONLINEARITIES, NORMALIZATIONS, VALUE_NETWORKS, Knobs, normalized_scores  # noqa: F401  (public)
 
-# Paper section 2: the three main variants and the ablations, each a full setting of the knobs.
-PRESETS: dict[str, dict[str, str]] = {
+# Paper section 2: the three main variants and the ablations, each a full setting of the knobs; then
+# the baselines from outside the paper.
+PRESETS: dict[str, dict[str, str | bool]] = {
     "softmax":
         dict(normalization="softmax", value_network="linear"),
     "linear":
@@ -56,10 +61,14 @@ PRESETS: dict[str, dict[str, str]] = {
     **{
         f"hyla_{phi}": dict(normalization="rms_head", value_network="hypernetwork", nonlinearity=phi) for phi in ("gelu", "silu", "sigmoid", "tanh")
     },
+    # Gated linear attention (Yang et al. 2024): linear attention whose state decays by a gate made
+    # from the layer's input (lm/model.py); its projections, feature maps and normalisation are ours.
+    "gla":
+        dict(normalization="none", value_network="linear", gated=True),
 }
 
 
-def preset(name: str) -> dict[str, str]:
+def preset(name: str) -> dict[str, str | bool]:
   """The knob settings of a named variant; unknown names fail listing the valid ones."""
   if name not in PRESETS:
     raise ValueError(f"unknown attention {name!r}; choose one of: {', '.join(PRESETS)}")
@@ -69,7 +78,7 @@ def preset(name: str) -> dict[str, str]:
 class Impl(NamedTuple):
   """An implementation and what it supports. `fn(q, k, v, *, segment_ids, ...)` takes exactly what
   its row supports: `knobs` unless it computes one preset's setting, `causal` when it is bidirectional
-  too, `bias`, and `dropout_rate` with `dropout_rng`."""
+  too, `bias`, `dropout_rate` with `dropout_rng`, and `log_gate` (`gate`)."""
   fn: Callable[..., jax.Array]
   auto: dict[str, int | None]  # platform → the longest length `auto` takes it for (None: any)
   # The presets whose normalisation and value network it computes (any φ); empty: every setting.
@@ -83,6 +92,7 @@ class Impl(NamedTuple):
   segments: bool = True  # takes packed-document segment ids
   dtypes: tuple[str, ...] = ()  # the input dtypes it takes; empty: any
   head_dims: tuple[int, int] = (1, 2**31)  # head widths it takes: (a multiple of, at most)
+  gate: bool = False  # takes a gated call's log α (`log_gate`); without one it computes α = 1
 
 
 # Platforms `auto` chooses for; "gpu" is lax.platform_dependent's default branch (cuda, rocm).
@@ -130,6 +140,16 @@ IMPLS: dict[str, Impl] = {
     "chunked":
         Impl(linear.attend_chunked, computes=("linear",), bidirectional=False, bias=False, dropout=False,
              auto=ANYWHERE),
+    # Gated linear attention in chunks, O(t·C·d + t·d²) (lm/attention/gated.py); after "chunked", which
+    # takes ungated linear attention.
+    "gla_chunked":
+        Impl(gated.attend_chunked, computes=("gla",), bidirectional=False, bias=False, dropout=False,
+             gate=True, auto=ANYWHERE),
+    # Its recurrence, one token per step (lm/attention/gated.py): the ground truth of the chunks; never
+    # auto's choice (a sequential scan over the length).
+    "gla_recurrent":
+        Impl(gated.attend_recurrent, computes=("gla",), bidirectional=False, bias=False, dropout=False,
+             gate=True, auto={}),
     # cuDNN's flash attention (jax.nn.dot_product_attention, implementation="cudnn"), GPU only:
     # bfloat16 or float16, head widths a multiple of 8 up to 128, causal or not, as many keys as
     # queries; no segments (jax passes a mask as a [T, T] bias), bias or dropout.
@@ -153,7 +173,7 @@ IMPLS: dict[str, Impl] = {
         Impl(blocked.attend_blocked, auto=ANYWHERE),
     # The definition itself (lm/attention/core.py); auto's last resort, for cross-attention.
     "reference":
-        Impl(core.reference, cross=True, memory_linear=False, auto=ANYWHERE),
+        Impl(core.reference, cross=True, memory_linear=False, gate=True, auto=ANYWHERE),
 }
 
 
@@ -197,6 +217,8 @@ def unsupported(name: str, knobs: Knobs, call: Call) -> str | None:
             f"not {knobs.normalization}/{knobs.value_network}; use impl 'auto' or 'blocked'")
   if not call.causal and not impl.bidirectional:
     return "computes causal attention only; for bidirectional attention use impl 'auto' or 'blocked'"
+  if knobs.gated and not impl.gate:
+    return "takes no gate; use impl 'auto', 'gla_chunked' or 'reference'"
   if call.bias and not impl.bias:
     return ("takes no position bias; use model.positions rotary, learned or none, or impl 'auto' or "
             "'blocked'")
@@ -228,6 +250,12 @@ def check(impl: str, knobs: Knobs, call: Call) -> None:
   """Raises a ValueError naming the fix when `impl` cannot serve the call."""
   if impl != "auto" and impl not in IMPLS:
     raise ValueError(f"unknown attention impl {impl!r}; choose one of: auto, {', '.join(IMPLS)}")
+  if knobs.gated and (not call.causal or call.bias or call.dropout):
+    # A gate decays the past; its recurrent decoding state is exact only without a position bias; and
+    # its chunks never form the (query, key) pairs that dropout would drop.
+    raise ValueError("gated attention is causal and takes no position bias or attention dropout; set "
+                     "model.causal=True, model.positions to rotary, learned or none, and "
+                     "model.attention_dropout=0")
   reason = None if impl == "auto" else unsupported(impl, knobs, call)
   if reason:
     raise ValueError(f"attention impl {impl!r} {reason}")
@@ -250,11 +278,14 @@ def choose_impl(knobs: Knobs, call: Call) -> dict[str, str]:
   return {platform: first(platform) for platform in PLATFORMS}
 
 
-def _run(name: str, q, k, v, *, knobs, causal, segment_ids, bias, dropout_rate, dropout_rng, positions):
+def _run(name: str, q, k, v, *, knobs, causal, segment_ids, bias, dropout_rate, dropout_rng, positions,
+         log_gate):
   """Implementation `name` given the arguments its row says it takes."""
   impl, kw = IMPLS[name], {}
   if impl.segments:
     kw["segment_ids"] = segment_ids
+  if impl.gate:
+    kw["log_gate"] = log_gate
   if impl.cross:
     kw["positions"] = positions
   if len(impl.computes) != 1:
@@ -271,7 +302,8 @@ def _run(name: str, q, k, v, *, knobs, causal, segment_ids, bias, dropout_rate, 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: str, value_network: str,
            nonlinearity: str = "relu", causal: bool = True, segment_ids: jax.Array | None = None,
            bias: jax.Array | None = None, impl: str = "reference", dropout_rate: float = 0.0,
-           dropout_rng: jax.Array | None = None, positions: core.Positions | None = None) -> jax.Array:
+           dropout_rng: jax.Array | None = None, positions: core.Positions | None = None,
+           log_gate: jax.Array | None = None) -> jax.Array:
   """Maps q, k, v [batch, seq, heads, head_dim] to [batch, seq, heads, head_dim].
 
   segment_ids [batch, seq]: tokens attend only within their own segment (packed documents).
@@ -280,8 +312,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: str, valu
   batch and heads, drawn from dropout_rng; every implementation that drops draws the same mask.
   positions: (query positions [q], key positions [k]) when the queries are not the first q of the keys,
   as when new tokens attend to a decoding cache; causality compares these.
+  log_gate [batch, k, heads, head_dim]: log α ≤ 0 of a gated variant (GLA); each key dimension's
+  score decays by the gates after the key up to the query. Causal only, no bias.
   """
-  knobs = Knobs(normalization, value_network, nonlinearity)
+  knobs = Knobs(normalization, value_network, nonlinearity, gated=log_gate is not None)
+  if log_gate is not None and log_gate.shape != k.shape:
+    raise ValueError(f"attention log_gate must be shaped like k {k.shape}, got {log_gate.shape}")
   if not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f"attention dropout_rate must be in [0, 1), got {dropout_rate}")
   if dropout_rate and dropout_rng is None:
@@ -297,8 +333,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, normalization: str, valu
   run = {
       name:
           functools.partial(_run, name, knobs=knobs, causal=causal, segment_ids=segment_ids, bias=bias,
-                            dropout_rate=dropout_rate, dropout_rng=dropout_rng, positions=positions)
-      for name in set(chosen.values())
+                            dropout_rate=dropout_rate, dropout_rng=dropout_rng, positions=positions,
+                            log_gate=log_gate) for name in set(chosen.values())
   }
   if len(run) == 1:
     return run[chosen["cpu"]](q, k, v)

@@ -1,7 +1,9 @@
 """The attention core's definition: masks, scores, normalisations, value networks, dropout.
 
 q, k, v: [batch, seq, heads, head_dim] → out like q, in three steps (docs/reference/paper.md):
-  1. scores  s_bhqk = q·k / sqrt(d) + bias, masked by causality and packed-document segments;
+  1. scores  s_bhqk = q·k / sqrt(d) + bias, masked by causality and packed-document segments; gated
+     (GLA), each key dimension decays by the gates of the steps between key and query:
+     s_bhqk = Σ_d q_qd k_kd Π_{k<r≤q} α_rd / sqrt(d), from log α [batch, seq, heads, head_dim];
   2. normalisation σ: softmax over keys, none, or rms_head (RMS over the head axis per (q, k));
      attention dropout then zeroes whole (q, k) pairs, one mask shared over batch and heads;
   3. value network: linear, out_bqhd = Σ_k a_bhqk v_bkhd; or hypernetwork,
@@ -35,6 +37,9 @@ NONLINEARITIES: dict[str, Callable[[jax.Array], jax.Array]] = {
     "tanh": jnp.tanh,
     "identity": lambda x: x,
 }
+# Whether the scores decay by a data-dependent gate (step 1): False for the paper's variants, True for
+# gated linear attention, whose model layer makes log α from its input (lm/model.py).
+GATED = (False, True)
 RMS_HEAD_EPS = 1e-6
 # Explicit (query positions [q], key positions [k]): causality among them when the queries are not the
 # first q of the keys (incremental decoding attends new queries to a cache of keys).
@@ -43,12 +48,16 @@ Positions = tuple[jax.Array, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class Knobs:
-  """One setting of the core: step 2's normalisation, step 3's value network and its φ."""
+  """One setting of the core: step 2's normalisation, step 3's value network and its φ; `gated`: step 1's
+  scores decay by a gate the caller passes (log_gate)."""
   normalization: str
   value_network: str
   nonlinearity: str = "relu"
+  gated: bool = False
 
   def __post_init__(self):
+    if self.gated not in GATED:
+      raise ValueError(f"attention gated must be True or False, got {self.gated!r}")
     for what, value, valid in (("normalization", self.normalization,
                                 NORMALIZATIONS), ("value_network", self.value_network, tuple(VALUE_NETWORKS)),
                                ("nonlinearity", self.nonlinearity, tuple(NONLINEARITIES))):
@@ -58,8 +67,9 @@ class Knobs:
 
 def pair_flops(knobs: Knobs, width: int) -> int:
   """Forward FLOPs of one (query, key) pair over heads of total width `width`: a multiply-add per
-  dimension for the score and for each of the value network's products."""
-  return 2 * width * (1 + VALUE_NETWORKS[knobs.value_network])
+  dimension for the score and for each of the value network's products, and a gate's decay multiply
+  per dimension."""
+  return 2 * width * (1 + VALUE_NETWORKS[knobs.value_network]) + width * knobs.gated
 
 
 def pair_mask(q_pos_q: jax.Array, k_pos_k: jax.Array, *, causal: bool,
@@ -89,17 +99,34 @@ def attention_mask(q_len: int, k_len: int, *, causal: bool, segment_ids: jax.Arr
                    k_segment_ids_bk=segment_ids)
 
 
-def masked_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, bias: jax.Array | None,
-                  mask: jax.Array | None) -> jax.Array:
-  """Step 1: s_bhqk = q·k / sqrt(d) + bias in float32, masked entries 0."""
+def masked_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, bias: jax.Array | None, mask: jax.Array | None,
+                  decay_bhqkd: jax.Array | None = None) -> jax.Array:
+  """Step 1: s_bhqk = q·k / sqrt(d) + bias in float32, masked entries 0; with `decay_bhqkd`
+  (gate_decay) each dimension's product decays by it."""
   scale = q_bqhd.shape[-1]**-0.5
-  s_bhqk = jnp.einsum("bqhd,bkhd->bhqk", q_bqhd, k_bkhd, preferred_element_type=jnp.float32) * scale
+  if decay_bhqkd is None:
+    s_bhqk = jnp.einsum("bqhd,bkhd->bhqk", q_bqhd, k_bkhd, preferred_element_type=jnp.float32) * scale
+  else:
+    s_bhqk = jnp.einsum("bqhd,bkhd,bhqkd->bhqk", q_bqhd.astype(jnp.float32), k_bkhd.astype(jnp.float32),
+                        decay_bhqkd) * scale
   if bias is not None:
     s_bhqk = _add_bias(s_bhqk, bias)
   if mask is not None:
     # Zeroing before σ is what keeps masked entries out of the RMS over heads as well.
     s_bhqk = jnp.where(mask, s_bhqk, 0.0)
   return s_bhqk
+
+
+def gate_decay(log_gate_bkhd: jax.Array, q_pos_q: jax.Array, k_pos_k: jax.Array) -> jax.Array:
+  """Π_{k<r≤q} α_r per dimension, float32 [batch, heads, q, k, d], for keys at or before their query
+  (0 after it); log_gate: log α ≤ 0 at every key position, queries at positions into the keys. The
+  definition, [q, k, d] in full: the kernels never form it."""
+  g_bkhd = jnp.cumsum(log_gate_bkhd.astype(jnp.float32), axis=1)
+  g_bqhd = g_bkhd[:, q_pos_q]
+  diff_bhqkd = jnp.einsum("bqhd->bhqd", g_bqhd)[:, :, :, None] - jnp.einsum("bkhd->bhkd", g_bkhd)[:, :, None]
+  # Later keys would decay by a positive exponent: zeroed before exp, so no overflow reaches the gradient.
+  before_qk = q_pos_q[:, None] >= k_pos_k[None, :]
+  return jnp.where(before_qk[..., None], jnp.exp(jnp.where(before_qk[..., None], diff_bhqkd, 0.0)), 0.0)
 
 
 @jax.custom_vjp
@@ -190,20 +217,24 @@ def apply_value_network(a_bhqk: jax.Array, v_bkhd: jax.Array, *, value_network: 
 
 def normalized_scores(q_bqhd: jax.Array, k_bkhd: jax.Array, *, normalization: str, causal: bool = True,
                       segment_ids: jax.Array | None = None, bias: jax.Array | None = None,
-                      positions: Positions | None = None) -> jax.Array:
+                      positions: Positions | None = None, log_gate: jax.Array | None = None) -> jax.Array:
   """Steps 1-2, for evaluation (the latent codes): a_bhqk in float32. For a (q, k) pair, a[:, :, q, k]
   across heads is the pair's latent code; masked entries are exactly 0 in every normalisation."""
   mask = attention_mask(q_bqhd.shape[1], k_bkhd.shape[1], causal=causal, segment_ids=segment_ids,
                         positions=positions)
-  return normalize(masked_scores(q_bqhd, k_bkhd, bias, mask), mask, normalization=normalization)
+  decay = None if log_gate is None else gate_decay(
+      log_gate, *pair_positions(q_bqhd.shape[1], k_bkhd.shape[1], positions))
+  return normalize(masked_scores(q_bqhd, k_bkhd, bias, mask, decay), mask, normalization=normalization)
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, knobs: Knobs, causal: bool,
               segment_ids: jax.Array | None, bias: jax.Array | None, dropout_rate: float,
-              dropout_rng: jax.Array | None, positions: Positions | None = None) -> jax.Array:
-  """The definition with einsums: [b, h, t, t] scores and, for the hypernetwork, z as [b, t, t, d]."""
+              dropout_rng: jax.Array | None, positions: Positions | None = None,
+              log_gate: jax.Array | None = None) -> jax.Array:
+  """The definition with einsums: [b, h, t, t] scores and, for the hypernetwork, z as [b, t, t, d];
+  gated, the decay as [b, h, t, t, d]."""
   a_bhqk = normalized_scores(q, k, normalization=knobs.normalization, causal=causal, segment_ids=segment_ids,
-                             bias=bias, positions=positions)
+                             bias=bias, positions=positions, log_gate=log_gate)
   if dropout_rate:
     keep_11qk = dropout_keep(dropout_rng, *pair_positions(q.shape[1], k.shape[1], positions), dropout_rate)
     a_bhqk = drop(a_bhqk, keep_11qk, dropout_rate)

@@ -5,7 +5,8 @@ the full forward pass's output at its position.
 Per layer (`kind`), with T the cache's length (prompt plus new tokens), H heads of width K:
   - "recurrent": linear attention (normalisation none, value network linear, no position bias). Its
     output is q·Σ_k k vᵀ / sqrt(K), so the state S = Σ_k k_k v_kᵀ ([B, H, K, K], keys rotated at
-    their positions) is all of the past it needs: constant memory and O(H·K²) work per token.
+    their positions) is all of the past it needs: constant memory and O(H·K²) work per token. Gated
+    (GLA), the same state decays by each new token's gate: S_t = diag(α_t) S_{t-1} + k_tᵀ v_t.
   - "key_value": every other setting. Softmax couples a query's keys through its normaliser; rms_head
     normalises the heads of each (query, key) pair; the hypernetwork applies φ to a per-pair mixture
     z = Σ_h a_h v_h; and a position bias depends on each pair's distance. None of these is a sum of
@@ -52,16 +53,22 @@ class KeyValueCache(nn.Module):
 
 class RecurrentState(nn.Module):
   """Linear attention's state S = Σ k vᵀ per head, in float32. New tokens attend among themselves
-  causally (the core's chunked kernel) and read S for everything before them."""
+  causally (the core's chunked kernel) and read S for everything before them. log_gate_bthk (GLA):
+  log α of the new tokens; S decays by their gates, and each new query reads S decayed up to it."""
 
   @nn.compact
-  def __call__(self, q_bthk, k_bthk, v_bthk):
+  def __call__(self, q_bthk, k_bthk, v_bthk, log_gate_bthk=None):
     B, _, H, K = k_bthk.shape
     s_bhkk = self.variable("cache", "s_bhkk", jnp.zeros, (B, H, K, K), jnp.float32)
     f32 = dict(preferred_element_type=jnp.float32)
     within_bthk = attention.attend(q_bthk, k_bthk, v_bthk, normalization="none", value_network="linear",
-                                   causal=True, impl="auto")
+                                   causal=True, impl="auto", log_gate=log_gate_bthk)
+    # Gated: each new query reads S decayed by the gates from the first new token through its own, and S
+    # moves on by all of them (every exponent ≤ 0). Ungated, α = 1.
+    g_bthk = jnp.zeros(q_bthk.shape, jnp.float32) if log_gate_bthk is None else jnp.cumsum(
+        log_gate_bthk.astype(jnp.float32), axis=1)
     # The core's score scale, 1 / sqrt(K).
-    past_bthk = jnp.einsum("bthk,bhkj->bthj", q_bthk, s_bhkk.value, **f32) * K**-0.5
-    s_bhkk.value = s_bhkk.value + jnp.einsum("bthk,bthj->bhkj", k_bthk, v_bthk, **f32)
+    past_bthk = jnp.einsum("bthk,bhkj->bthj", q_bthk * jnp.exp(g_bthk), s_bhkk.value, **f32) * K**-0.5
+    s_bhkk.value = jnp.exp(g_bthk[:, -1])[..., None] * s_bhkk.value + jnp.einsum(
+        "bthk,bthj->bhkj", k_bthk * jnp.exp(g_bthk[:, -1:] - g_bthk), v_bthk, **f32)
     return (within_bthk + past_bthk).astype(q_bthk.dtype)
