@@ -20,6 +20,7 @@ which sets up the rest:
   wrong type is one line, not a traceback.
 """
 
+import importlib.metadata
 import os
 import re
 import sys
@@ -30,6 +31,8 @@ from collections.abc import Callable
 import jax
 from absl import app, flags, logging
 from jax._src import hardware_utils  # the PCI scan JAX itself uses to decide whether TPUs are present
+
+from data_pipelines import storage
 
 
 def choose_platform() -> None:
@@ -137,6 +140,7 @@ def run(main: Callable[[list[str]], None], module: str) -> None:
       logging.set_verbosity(logging.WARNING)
     if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
       use_cpu_devices(flags.FLAGS.config.get("cpu_devices", 0))
+    _check_remote_paths(argv)
     main(argv)
 
   sys.unraisablehook = _ignore_late_completions
@@ -144,6 +148,38 @@ def run(main: Callable[[list[str]], None], module: str) -> None:
   # run; Python warns of each at exit, below the line that reports the failure.
   warnings.filterwarnings("ignore", r"coroutine '\w+\.async_save' was never awaited", RuntimeWarning)
   app.run(configured_main, flags_parser=_parse_flags)
+
+
+def _check_remote_paths(argv: list[str]) -> None:
+  """Stops the command with one line if storage that a gs:// flag, argument or config field names
+  cannot be reached: before anything is written, and in seconds rather than after the clients'
+  retries."""
+  values = [flags.FLAGS[name].value for name in flags.FLAGS] + argv[1:]
+  if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
+    values += _leaves(flags.FLAGS.config.to_dict())
+  remote = [v for v in values if isinstance(v, str) and v.startswith("gs://")]
+  remote += [
+      p for v in values if isinstance(v, list) for p in v if isinstance(p, str) and p.startswith("gs://")
+  ]
+  try:
+    for path in dict.fromkeys(remote):
+      storage.check_reachable(path)
+  except storage.UnreachableError as e:
+    raise SystemExit(f"{command_name()}: {e}") from None
+
+
+def _leaves(tree: dict) -> list:
+  return [x for v in tree.values() for x in (_leaves(v) if isinstance(v, dict) else [v])]
+
+
+def command_name() -> str:
+  """The console script running (lm-train for `python -m lm.train` too)."""
+  module = sys.modules["__main__"].__spec__.name if getattr(sys.modules["__main__"], "__spec__",
+                                                            None) else None
+  for entry in importlib.metadata.entry_points(group="console_scripts"):
+    if module and entry.value == f"{module}:run":
+      return entry.name
+  return os.path.basename(sys.argv[0])
 
 
 def _ignore_late_completions(unraisable) -> None:
