@@ -12,8 +12,10 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import tempfile
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 
 from etils import epath
@@ -188,3 +190,50 @@ def _file_system(path: str | None) -> str:
   while not os.path.exists(mount) or not os.path.ismount(mount):
     mount = os.path.dirname(mount)
   return f" (on the file system mounted at {mount}, {shutil.disk_usage(mount).free / 1e6:.1f} MB free)"
+
+
+# Where each client sends gs:// requests: gcsfs and google-cloud-storage (etils paths, the lease),
+# TensorStore (orbax's arrays) and ArrayRecord's reader, each pointed elsewhere by its own variable.
+_GCS_ENDPOINTS = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT")
+_GCS = "https://storage.googleapis.com"
+_reached: set[str] = set()
+
+
+class UnreachableError(ConnectionError):
+  """The storage endpoint a remote path is reached through refuses connections or does not resolve."""
+
+
+def check_reachable(path: str | os.PathLike, timeout: float = 5.0) -> None:
+  """Raises UnreachableError, at once, if a gs:// `path`'s endpoints cannot be connected to.
+
+  The clients retry a refused connection or an unknown host for 38-101 s before they give up, in
+  dozens of lines of tracebacks; at the first access neither is worth retrying. Each endpoint (and
+  the proxy in front of it, if one is set) is tried once per process with one TCP connection."""
+  path = os.fspath(path)
+  if not path.startswith("gs://"):
+    return
+  for url in dict.fromkeys(os.environ.get(name) or _GCS for name in _GCS_ENDPOINTS):
+    if url in _reached:
+      continue
+    url_parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    host, port = url_parts.hostname, url_parts.port or (443 if url_parts.scheme == "https" else 80)
+    proxy = urllib.request.getproxies().get(url_parts.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+      proxy_parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+      host, port = proxy_parts.hostname, proxy_parts.port or 80
+    try:
+      socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+      reason = "unknown host" if isinstance(e, socket.gaierror) else (
+          f"no answer in {timeout:g} s" if isinstance(e, TimeoutError) else e.strerror or str(e))
+      via = f" through the proxy {host}:{port}" if proxy and host != url_parts.hostname else ""
+      raise UnreachableError(f"cannot reach GCS at {url}{via} for {path} ({reason}); "
+                             f"{_what_to_check(url)}") from None
+    _reached.add(url)
+
+
+def _what_to_check(url: str) -> str:
+  if set_by := [name for name in _GCS_ENDPOINTS if os.environ.get(name) == url]:
+    return (f"check that {set_by[0]}={url} names a running emulator (or unset it to use GCS)")
+  return ("check this host's network, DNS and proxy settings (HTTPS_PROXY), and that it has "
+          "credentials for GCS (gcloud auth application-default login, or a VM's service account)")

@@ -19,15 +19,21 @@ from lm import checkpointing
 from lm.experiment import Experiment
 from lm.runtime import cli
 
+ATTENTION_IMPL = "attention_impl"
+ATTENTION_IMPL_HELP = ("Attention kernel to read the run with (model.attention_impl: auto, reference, "
+                       "...); default: the run's. Kernels compute the same function.")
+
 
 def result_path(workdir: str, step: int) -> epath.Path:
   return epath.Path(workdir) / "eval" / f"step_{step}.json"
 
 
-def evaluate(workdir: str, step: int | None = None, split: str = "validation") -> dict:
-  """Metrics of the checkpoint at `step` (default: the latest) on `split`."""
+def evaluate(workdir: str, step: int | None = None, split: str = "validation",
+             attention_impl: str | None = None) -> dict:
+  """Metrics of the checkpoint at `step` (default: the latest) on `split`; `attention_impl` (a
+  kernel, which computes the same function) replaces the run's model.attention_impl."""
   step, config = checkpointing.saved_config(workdir, step)
-  exp = Experiment(config)
+  exp = experiment_here(config, attention_impl)
   sets = exp.eval_sets()
   if split not in sets:
     raise ValueError(f"task {config.task!r} has no evaluation set {split!r}; choose one of: "
@@ -43,6 +49,16 @@ def evaluate(workdir: str, step: int | None = None, split: str = "validation") -
   }
 
 
+def experiment_here(config, attention_impl: str | None) -> Experiment:
+  """The saved run's Experiment on this host's devices, with its kernel replaced by `attention_impl`
+  if given (lm-eval, lm-sample --attention_impl); a kernel that does not run here is one line."""
+  if attention_impl:
+    config.model.attention_impl = attention_impl
+  exp = Experiment(config)
+  exp.check_kernels_run_here("--attention_impl")
+  return exp
+
+
 def write(workdir: str, result: dict) -> None:
   """Writes `evaluate`'s result whole to result_path (process 0 only)."""
   if jax.process_index() == 0:
@@ -53,7 +69,7 @@ def main(argv):
   del argv
   workdir = flags.FLAGS.workdir
   try:
-    result = evaluate(workdir, flags.FLAGS.step, flags.FLAGS.split)
+    result = evaluate(workdir, flags.FLAGS.step, flags.FLAGS.split, flags.FLAGS.attention_impl)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"lm-eval: {e}") from e
   print(json.dumps(result, indent=1), flush=True)  # first: a failed write below loses nothing
@@ -68,6 +84,7 @@ def run():
   flags.DEFINE_string("workdir", None, "A training run's directory (lm-train --workdir).")
   flags.DEFINE_integer("step", None, "Checkpoint step to evaluate; default: the latest.")
   flags.DEFINE_string("split", "validation", "Evaluation set of the task.")
+  flags.DEFINE_string(ATTENTION_IMPL, None, ATTENTION_IMPL_HELP)
   flags.mark_flags_as_required(["workdir"])
   cli.run(main, __name__)
 

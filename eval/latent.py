@@ -106,6 +106,20 @@ def ridge_r2(x_nf, y_nt) -> float:
   return float(r2_score(y_nt[half:], fit.predict(x_nf[half:])))
 
 
+def fitted(decode, *args, flag: str):
+  """decode(*args), with scikit-learn's refusal of too few instances (one class only, fewer
+  instances than components) as one line naming the flag that set their number."""
+  try:
+    return decode(*args)
+  except ValueError as e:
+    raise ValueError(f"{flag} instances are too few to fit the decoders ({_first_line(e)}); give more "
+                     f"(default 2048)") from e
+
+
+def _first_line(e: BaseException) -> str:
+  return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def paper_code_protocol(config, codes, examples: int) -> dict:
   """The paper code's protocol. SRAVEN: the last query token only, on unpermuted data; logistic
   regression per layer from fresh instances of training tasks to OOD tasks (`examples` each). Fuzzy
@@ -119,17 +133,22 @@ def paper_code_protocol(config, codes, examples: int) -> dict:
         "protocol": "last query token, unpermuted data, logistic regression training -> OOD tasks",
         "examples_per_split": examples,
         "ood_decoding_accuracy_per_layer": [
-            decode_rules(x_tr[l], y_tr, x_ood[l], y_ood) for l in range(len(x_tr))
+            fitted(decode_rules, x_tr[l], y_tr, x_ood[l], y_ood, flag=f"--paper_examples={examples}")
+            for l in range(len(x_tr))
         ],
         "majority_class_accuracy": float(np.bincount(y_ood).max() / len(y_ood))
     }
   x_lnh, terms_nk = fuzzy_codes(config, codes, "train", examples, fixed_query=True)
   bits_nkl = fuzzy_logic.all_terms(config.data.num_vars)[terms_nk]
   return {
-      "protocol": "all layers' query self-codes, fixed-query sequences of training tasks, "
-                  "ridge (l2=1) onto term bits, R² on the held-out half",
-      "examples": examples,
-      "term_bits_r2": ridge_r2(np.concatenate(list(x_lnh), axis=1), bits_nkl.reshape(len(bits_nkl), -1))
+      "protocol":
+          "all layers' query self-codes, fixed-query sequences of training tasks, "
+          "ridge (l2=1) onto term bits, R² on the held-out half",
+      "examples":
+          examples,
+      "term_bits_r2":
+          fitted(ridge_r2, np.concatenate(list(x_lnh), axis=1), bits_nkl.reshape(len(bits_nkl), -1),
+                 flag=f"--paper_examples={examples}")
   }
 
 
@@ -163,7 +182,10 @@ def analyse(workdir: str, step: int | None = None, examples: int = 2048,
                       "training -> OOD tasks"),
       "examples_per_split":
           examples,
-      "ood_decoding_accuracy_per_layer": [decode(x_tr[l], y_tr, x_ood[l], y_ood) for l in range(len(x_tr))],
+      "ood_decoding_accuracy_per_layer": [
+          fitted(decode, x_tr[l], y_tr, x_ood[l], y_ood, flag=f"--examples={examples}")
+          for l in range(len(x_tr))
+      ],
       "majority_class_accuracy":
           chance,
       "paper_code":
@@ -183,9 +205,12 @@ def analyse(workdir: str, step: int | None = None, examples: int = 2048,
 
 def main(argv):
   del argv
+  for name in ("examples", "paper_examples"):
+    if (n := getattr(flags.FLAGS, name)) is not None and n < 2:
+      raise SystemExit(f"lm-latent: --{name}={n}: give 2 or more instances (the decoders are fitted on them)")
   try:
     result = analyse(flags.FLAGS.workdir, flags.FLAGS.step, flags.FLAGS.examples, flags.FLAGS.paper_examples)
-  except (FileNotFoundError, checkpointing.DamagedCheckpointError) as e:
+  except (FileNotFoundError, ValueError) as e:  # ValueError: DamagedCheckpointError, too few instances
     raise SystemExit(f"lm-latent: {e}") from e
   print(json.dumps(result, indent=1))
 

@@ -11,19 +11,21 @@ from absl import flags
 from etils import epath
 
 from data_pipelines import sources
+from eval import evaluate
 from lm import checkpointing, decode
-from lm.experiment import Experiment
 from lm.runtime import cli
 
 
 def sample(workdir: str, prompt: str, *, step: int | None = None, max_new_tokens: int = 64,
-           sampling: decode.Sampling, seed: int = 0, num_samples: int = 1) -> list[str]:
-  """The prompt followed by each sample's continuation, up to the first end-of-document token."""
+           sampling: decode.Sampling, seed: int = 0, num_samples: int = 1,
+           attention_impl: str | None = None) -> list[str]:
+  """The prompt followed by each sample's continuation, up to the first end-of-document token;
+  `attention_impl` replaces the run's kernel, as in lm-eval."""
   step, config = checkpointing.saved_config(workdir, step)
   if config.task != "lm":
     raise ValueError(f"this checkpoint is of task {config.task!r}, which does not generate text; "
                      f"sample from a language model's run (task lm)")
-  exp = Experiment(config)
+  exp = evaluate.experiment_here(config, attention_impl)
   tokenizer = sources.load_tokenizer(config.data, exp.model_cfg.V)
   prompt_ids = tokenizer.encode_prompt(prompt)
   decode.check_context(len(prompt_ids), max_new_tokens, config.data.seq_len)
@@ -55,7 +57,8 @@ def main(argv):
   try:
     sampling = decode.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
     texts = sample(FLAGS.workdir, prompt, step=FLAGS.step, max_new_tokens=FLAGS.max_new_tokens,
-                   sampling=sampling, seed=FLAGS.seed, num_samples=FLAGS.num_samples)
+                   sampling=sampling, seed=FLAGS.seed, num_samples=FLAGS.num_samples,
+                   attention_impl=FLAGS.attention_impl)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"lm-sample: {e}") from e
   for i, text in enumerate(texts):
@@ -73,6 +76,7 @@ def run():
   flags.DEFINE_float("top_p", 1.0, "Sample among the likeliest tokens holding this much probability; 1: all.")
   flags.DEFINE_integer("seed", 0, "Sampling seed: the same seed gives the same samples.")
   flags.DEFINE_integer("num_samples", 1, "Samples of the prompt, decoded as one batch.")
+  flags.DEFINE_string(evaluate.ATTENTION_IMPL, None, evaluate.ATTENTION_IMPL_HELP)
   flags.mark_flags_as_required(["workdir"])
   cli.run(main, __name__)
 

@@ -9,6 +9,7 @@ SkyPilot is an optional extra (`pip install -e ".[sky]"`), imported only here.
 
 import copy
 import dataclasses
+import re
 import shlex
 import tempfile
 from collections.abc import Sequence
@@ -87,6 +88,40 @@ def to_yaml(config: dict) -> str:
   return yaml.dump(config, Dumper=_Dumper, sort_keys=False)
 
 
+# TPU generations SkyPilot provisions on GCP (its catalog's tpu-GEN-N accelerators).
+TPU_GENERATIONS = ("v2", "v3", "v4", "v5litepod", "v5p", "v6e")
+_INFRA_FORM = "give gcp, gcp/REGION or gcp/REGION/ZONE (e.g. gcp/us-central2/us-central2-b)"
+
+
+def check_place(job: Job) -> None:
+  """What SkyPilot can check of --infra and --accelerator-type without the network: a cloud it
+  knows, which for a TPU slice is GCP; GCP's forms of region and zone names; a TPU generation. That
+  the region, zone and accelerator exist it checks against its catalog, online, at launch."""
+  try:
+    import sky  # pylint: disable=import-outside-toplevel
+    from sky.utils import infra_utils  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise tpu.LaunchError('SkyPilot is not installed; install the extra: pip install -e ".[sky]"') from e
+  try:
+    place = infra_utils.InfraInfo.from_str(job.infra)
+  except ValueError as e:
+    raise tpu.LaunchError(f"--infra={job.infra}: {e}; {_INFRA_FORM}") from None
+  cloud = (place.cloud or "").lower()
+  if cloud != "gcp":
+    known = cloud in {str(c).lower() for c in sky.CLOUD_REGISTRY.values()} if cloud else False
+    why = "TPU slices run on GCP only;" if known else f"SkyPilot knows no cloud {cloud!r}; TPU slices run on GCP:"
+    raise tpu.LaunchError(f"--infra={job.infra}: {why} {_INFRA_FORM}")
+  if place.region and not re.fullmatch(r"[a-z]+-[a-z]+[0-9]+", place.region):
+    raise tpu.LaunchError(f"--infra={job.infra}: {place.region!r} is not a GCP region name; {_INFRA_FORM}")
+  if place.zone and not re.fullmatch(rf"{re.escape(place.region or '')}-[a-z]", place.zone):
+    raise tpu.LaunchError(f"--infra={job.infra}: {place.zone!r} is not a zone of region {place.region}; "
+                          f"{_INFRA_FORM}")
+  generation = job.accelerator_type.rsplit("-", 1)[0]
+  if generation not in TPU_GENERATIONS:
+    raise tpu.LaunchError(f"--accelerator-type={job.accelerator_type}: no TPU generation {generation!r}; "
+                          f"SkyPilot's TPUs on GCP are {', '.join(TPU_GENERATIONS)} (e.g. v5litepod-16)")
+
+
 def validate(config: dict) -> None:
   """Parses the task with SkyPilot's own parser (offline; no cloud credentials needed)."""
   try:
@@ -107,6 +142,7 @@ def launch_command(job: Job, task_file: Path) -> list[str]:
 def launch(job: Job, sh: tpu.Shell, cmd: Sequence[str]) -> None:
   """Writes the task file and submits it; on a dry run prints both and writes nothing."""
   config = task(job, cmd)
+  check_place(job)
   validate(config)
   text = to_yaml(config)
   task_file = Path(tempfile.gettempdir()) / f"lm-launch-{job.name}.yaml"

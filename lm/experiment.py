@@ -151,15 +151,15 @@ class Experiment:
     # How the step sums its gradients follows from the platform and the state's layout (lm/gradients.py).
     self.sums_on_devices = gradients.sums_on_devices(platform, shards, self.state_shardings.params)
 
-  def check_kernels_run_here(self) -> None:
+  def check_kernels_run_here(self, flag: str = "--config.model.attention_impl") -> None:
     """An explicit TPU kernel (model.attention_impl=pallas, splash, ...) on other devices stops with a
-    line naming the field and the choices that run here, not Pallas's own sentence at the first step."""
+    line naming the field and the choices that run here (`flag` sets it), not Pallas's own sentence
+    at the first step."""
     impl = self.model_cfg.attention_impl
     here = [name for name, row in ATTENTION_IMPLS.items() if self.platform in row.auto]
     if impl != "auto" and impl in ATTENTION_IMPLS and impl not in here:
-      raise ValueError(
-          f"model.attention_impl={impl!r} runs on TPU only, and this run's devices are "
-          f"{self.platform}; set --config.model.attention_impl to one of: auto, {', '.join(here)}")
+      raise ValueError(f"model.attention_impl={impl!r} runs on TPU only, and this run's devices are "
+                       f"{self.platform}; set {flag} to one of: auto, {', '.join(here)}")
 
   def _init_boxed(self, rng: jax.Array) -> TrainState:
     # One row of the run's own length: initialisation runs the attention kernels the run will use,

@@ -148,3 +148,20 @@ def test_fuzzy_paper_code_protocol_uses_one_query_point_and_all_layers():
   assert np.ptp(x_lnh, axis=1).max() > 0
   result = latent.paper_code_protocol(c, codes, 64)
   assert result["examples"] == 64 and result["term_bits_r2"] <= 1
+
+
+@pytest.mark.parametrize("flag", ["--examples=0", "--examples=-3", "--paper_examples=0", "--examples=1"])
+def test_lm_latent_counts_below_two_are_one_line(tmp_path, flag):
+  """--examples=0 was a traceback; the decoders need two instances at least."""
+  cmd = [sys.executable, "-m", "eval.latent", f"--workdir={tmp_path}", flag]
+  result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1 and result.stderr.strip() == (
+      f"lm-latent: {flag}: give 2 or more instances (the decoders are fitted on them)"), result.stderr
+
+
+def test_too_few_instances_to_fit_the_decoders_name_the_flag():
+  x_lnf, y_n = np.zeros((1, 3, 4)), np.zeros(3, int)  # one class only: logistic regression cannot fit
+  with pytest.raises(
+      ValueError, match=r"^--examples=3 instances are too few to fit the decoders \(.*\); "
+      r"give more \(default 2048\)$"):
+    latent.fitted(latent.decode_rules, x_lnf[0], y_n, x_lnf[0], y_n, flag="--examples=3")

@@ -363,3 +363,31 @@ def test_curves_promise_error_bars_only_where_seeds_give_them(tmp_path):
 def _plot_text(runs, out) -> str:
   compare.plot(runs, str(out))
   return out.read_text()
+
+
+@pytest.mark.parametrize("impl", ["pallas", "splash"])
+def test_a_run_saved_with_a_tpu_kernel_names_the_flag_and_the_choices_here(trained, monkeypatch, impl):
+  """lm-eval and lm-sample of a run trained with an explicit TPU kernel, on CPU: one line naming the
+  field and the kernels that run here (it was Pallas's own sentence); --attention_impl reads it here."""
+  from eval import sample
+  step, config = checkpointing.saved_config(str(trained))
+  config.model.attention_impl = impl
+  saved = {"config": config}
+  monkeypatch.setattr(checkpointing, "saved_config", lambda workdir, step=None:
+                      (step or 6, saved["config"].copy_and_resolve_references()))
+  tiling = config.copy_and_resolve_references()
+  tiling.data.seq_len = 128  # a length the kernel tiles, as a TPU run's
+  saved["config"] = tiling
+  message = (f"model.attention_impl={impl!r} runs on TPU only, and this run's devices are cpu; set "
+             f"--attention_impl to one of: auto, chunked, dot_product, blocked, reference")
+  with pytest.raises(ValueError) as e:
+    evaluate.evaluate(str(trained))
+  assert str(e.value) == message
+  with pytest.raises(ValueError) as e:
+    sample.sample(str(trained), "a", sampling=sample.decode.Sampling(0.0, 0, 1.0), max_new_tokens=2)
+  assert str(e.value) == message
+  saved["config"] = config
+  assert evaluate.evaluate(str(trained), attention_impl="auto")["step"] == step
+  assert len(
+      sample.sample(str(trained), "a", sampling=sample.decode.Sampling(0.0, 0, 1.0), max_new_tokens=2,
+                    attention_impl="auto")) == 1

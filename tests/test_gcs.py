@@ -162,3 +162,55 @@ def test_rate_and_quota_refusals_name_the_object_and_the_fix(gcs, gs_dir):
         f"too many requests to GCS (HTTP 429: a rate limit or quota was exceeded): cannot write "
         f"{gs_dir}/{name}; wait a few minutes and run the command again, or raise the project's quota; "
         f"GCS takes about one write per second to one object"), error
+
+
+def _closed_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+UNREACHABLE = {
+    "lm-train": ["lm.train", "--config=configs/tiny.py", "--workdir={gs}/run"],
+    "lm-eval": ["eval.evaluate", "--workdir={gs}/run"],
+    "lm-prepare": [
+        "launch.prepare", "--train={gs}/raw/train-*.json.gz", "--validation={gs}/raw/v-*.json.gz",
+        "--output={tmp}/data", "--workers=1"
+    ],
+    "lm-grid": ["eval.grid", "--config=configs/tiny.py", "--presets=softmax", "--root={gs}/grid"],
+    "lm-train --config.data.dir": [
+        "lm.train", "--config=configs/tiny.py", "--config.data.source=array_record",
+        "--config.data.dir={gs}/data", "--workdir={tmp}/run"
+    ],
+}
+
+
+@pytest.mark.parametrize("command,endpoint",
+                         [(c, "closed port") for c in UNREACHABLE] + [("lm-train", "unknown host")])
+def test_storage_that_cannot_be_reached_is_one_line_within_seconds(tmp_path, command, endpoint):
+  """A gs:// path whose endpoint refuses connections or does not resolve stops the command at once
+  (it retried for 38-101 s, then printed 51-199 lines of tracebacks), naming the path, the endpoint
+  and what to check."""
+  import time
+  url = f"http://127.0.0.1:{_closed_port()}" if endpoint == "closed port" else "http://gcs.invalid:4443"
+  env = {
+      **os.environ, "STORAGE_EMULATOR_HOST": url,
+      "TENSORSTORE_GCS_HTTP_URL": url,
+      "CLOUD_STORAGE_EMULATOR_ENDPOINT": url,
+      "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"
+  }
+  gs = f"gs://{BUCKET}/unreachable"
+  argv = [a.format(gs=gs, tmp=tmp_path) for a in UNREACHABLE[command]]
+  start = time.monotonic()
+  result = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=60, env=env,
+                          cwd=os.path.dirname(HERE))
+  took = time.monotonic() - start
+  name = command.split()[0]
+  assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr[-3000:]
+  assert re.fullmatch(
+      rf"{name}: cannot reach GCS at {re.escape(url)} for {re.escape(gs)}/\S+ \(.+\); check that "
+      rf"STORAGE_EMULATOR_HOST={re.escape(url)} names a running emulator \(or unset it to use GCS\)",
+      result.stderr.strip()), result.stderr
+  # Most of it is starting Python and JAX (on a loaded test host); the clients retried for 38-101 s.
+  assert took < 30, f"{took:.0f} s: a refused connection or an unknown host is not worth retrying"

@@ -111,3 +111,23 @@ def test_skypilot_rejects_a_bad_task_and_a_missing_extra_is_named(monkeypatch):
   monkeypatch.setitem(sys.modules, "sky", None)  # What `import sky` meets without the extra.
   with pytest.raises(tpu.LaunchError, match=r'install the extra: pip install -e "\.\[sky\]"'):
     managed.validate(managed.task(managed.Job(), TRAIN))
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--infra=foo", "--infra=foo: SkyPilot knows no cloud 'foo'; TPU slices run on GCP: give gcp, "
+     "gcp/REGION or gcp/REGION/ZONE (e.g. gcp/us-central2/us-central2-b)"),
+    ("--infra=aws", "--infra=aws: TPU slices run on GCP only; give gcp, gcp/REGION or gcp/REGION/ZONE "
+     "(e.g. gcp/us-central2/us-central2-b)"),
+    ("--infra=gcp/us-central1;rm -rf ~", "--infra=gcp/us-central1;rm -rf ~: 'us-central1;rm -rf ~' is not "
+     "a GCP region name; give gcp, gcp/REGION or gcp/REGION/ZONE (e.g. gcp/us-central2/us-central2-b)"),
+    ("--infra=gcp/us-central2/europe-west4-a", "--infra=gcp/us-central2/europe-west4-a: 'europe-west4-a' "
+     "is not a zone of region us-central2; give gcp, gcp/REGION or gcp/REGION/ZONE (e.g. "
+     "gcp/us-central2/us-central2-b)"),
+    ("--accelerator-type=v9-999", "--accelerator-type=v9-999: no TPU generation 'v9'; SkyPilot's TPUs on "
+     "GCP are v2, v3, v4, v5litepod, v5p, v6e (e.g. v5litepod-16)"),
+])
+def test_dry_run_refuses_what_skypilot_would_refuse_later(capsys, flag, message):
+  """Shell text in --infra and an accelerator that does not exist printed a task that fails later."""
+  assert cli.main(["sky", "--dry-run", flag, "--", *TRAIN]) == 1
+  captured = capsys.readouterr()
+  assert captured.err == f"lm-launch: {message}\n" and captured.out == ""

@@ -17,6 +17,7 @@ which sets up the rest:
 """
 
 import importlib.metadata
+import logging as pylogging
 import os
 import re
 import sys
@@ -27,6 +28,8 @@ from collections.abc import Callable
 import jax
 from absl import app, flags, logging
 from jax._src import hardware_utils  # the PCI scan JAX itself uses to decide whether TPUs are present
+
+from data_pipelines import storage
 
 
 def gpu_plugin_installed() -> bool:
@@ -143,27 +146,81 @@ def run(main: Callable[[list[str]], None], module: str) -> None:
       logging.set_verbosity(logging.WARNING)
     if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
       use_cpu_devices(flags.FLAGS.config.get("cpu_devices", 0))
+    _check_remote_paths(argv)
     main(argv)
 
   sys.unraisablehook = _ignore_late_completions
+  pylogging.getLogger("asyncio").addFilter(_AbandonedOrbaxTasks())
   # A save that failed on one item (GCS refusing a write) leaves the other items' coroutines never
   # run; Python warns of each at exit, below the line that reports the failure.
   warnings.filterwarnings("ignore", r"coroutine '\w+\.async_save' was never awaited", RuntimeWarning)
   app.run(configured_main, flags_parser=_parse_flags)
 
 
+def _check_remote_paths(argv: list[str]) -> None:
+  """Stops the command with one line if storage that a gs:// flag, argument or config field names
+  cannot be reached: before anything is written, and in seconds rather than after the clients'
+  retries."""
+  values = [flags.FLAGS[name].value for name in flags.FLAGS] + argv[1:]
+  if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
+    values += _leaves(flags.FLAGS.config.to_dict())
+  remote = [v for v in values if isinstance(v, str) and v.startswith("gs://")]
+  remote += [
+      p for v in values if isinstance(v, list) for p in v if isinstance(p, str) and p.startswith("gs://")
+  ]
+  try:
+    for path in dict.fromkeys(remote):
+      storage.check_reachable(path)
+  except storage.UnreachableError as e:
+    raise SystemExit(f"{command_name()}: {e}") from None
+
+
+def _leaves(tree: dict) -> list:
+  return [x for v in tree.values() for x in (_leaves(v) if isinstance(v, dict) else [v])]
+
+
+def command_name() -> str:
+  """The console script running (lm-train for `python -m lm.train` too)."""
+  module = sys.modules["__main__"].__spec__.name if getattr(sys.modules["__main__"], "__spec__",
+                                                            None) else None
+  for entry in importlib.metadata.entry_points(group="console_scripts"):
+    if module and entry.value == f"{module}:run":
+      return entry.name
+  return os.path.basename(sys.argv[0])
+
+
 def _ignore_late_completions(unraisable) -> None:
-  """sys.unraisablehook: drops what TensorStore operations abandoned by a failed orbax save or
-  restore (a full disk, a damaged checkpoint) print when they end.
+  """sys.unraisablehook: drops what operations abandoned by a failed orbax save or restore (a full
+  disk, a damaged checkpoint) print when they end.
 
   orbax runs its coroutines in an event loop of their own and closes it as soon as one operation
   fails, while the others are still in flight; each of those, when it ends, hands its result to the
   closed loop (`call_soon_threadsafe` from TensorStore's thread), which raises "Event loop is
   closed", and TensorStore prints that as an unraisable traceback: dozens of them on a loaded host,
-  above the command's one line. Nothing awaits those results; the failure they belong to is
-  reported already. Everything else goes to Python's own hook."""
+  above the command's one line. orbax's own coroutines left suspended are closed when collected and
+  raise their read's or write's error ("Exception ignored in: <coroutine ...>"). Nothing awaits
+  those results; the failure they belong to is reported already. Everything else goes to Python's
+  own hook."""
   frames = traceback.extract_tb(unraisable.exc_traceback)
-  if not (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError) and
-          str(unraisable.exc_value) == "Event loop is closed" and
-          any(f.name == "call_soon_threadsafe" for f in frames)):
+  closed_loop = (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError) and
+                 str(unraisable.exc_value) == "Event loop is closed" and
+                 any(f.name == "call_soon_threadsafe" for f in frames))
+  if not (closed_loop or _is_orbax_coroutine(unraisable.object)):
     sys.__unraisablehook__(unraisable)
+
+
+def _is_orbax_coroutine(obj) -> bool:
+  code = getattr(obj, "cr_code", None)
+  return code is not None and _ORBAX in code.co_filename
+
+
+_ORBAX = f"{os.sep}orbax{os.sep}checkpoint{os.sep}"
+
+
+class _AbandonedOrbaxTasks(pylogging.Filter):
+  """asyncio's "Task exception was never retrieved" for a task of orbax's coroutines that failed
+  after the operation it belonged to had failed and been reported: dropped, as above."""
+
+  def filter(self, record: pylogging.LogRecord) -> bool:
+    text = record.getMessage()
+    return not ("exception was never retrieved" in text and _ORBAX in text)
