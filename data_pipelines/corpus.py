@@ -152,6 +152,8 @@ def prepare(data_dir: str | os.PathLike, vocab_size: int) -> float:
     model = tokenizer.model_path(data_dir, vocab_size)
     if not model.exists():
       tokenizer.train(records.shard_paths(data_dir, "train"), model, vocab_size)
+    else:  # a file of this name holding another number of pieces: refused before the baseline is written
+      tokenizer.Tokenizer(model).check_vocab(vocab_size)
     baseline = data_dir / f"unigram_{vocab_size}.json"
     if not baseline.exists():
       ppl = pipeline.unigram_perplexity(records.open_split(data_dir, "train"),

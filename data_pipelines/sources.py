@@ -95,12 +95,29 @@ def load_tokenizer(cfg: ml_collections.ConfigDict, vocab_size: int) -> Tokenizer
   return tokenizer
 
 
+def _check_before_preparing(cfg: ml_collections.ConfigDict, vocab_size: int) -> None:
+  """The embedded corpus writes its shards and trains a tokenizer of V pieces into data.dir: what
+  would refuse the run once that is done is checked first, so nothing is written for a refused run."""
+  stamp_path = epath.Path(cfg.dir) / records.TOKENIZED_BY
+  if stamp_path.exists():
+    stamp = json.loads(stamp_path.read_text())
+    size = stamp.get("vocab_size")
+    also = f" and --config.model.V={size}" if size not in (None, vocab_size) else ""
+    raise ValueError(f"data.dir={cfg.dir} holds shards lm-prepare pre-tokenized with {stamp.get('model')} "
+                     f"({size} pieces; model.V={vocab_size}), not the embedded corpus; set "
+                     f"--config.data.source=array_record{also}, or point --config.data.dir at another "
+                     f"directory")
+  if cfg.tokenizer:
+    load_tokenizer(cfg, vocab_size)
+
+
 def resolve(cfg: ml_collections.ConfigDict, vocab_size: int) -> Splits:
   """cfg: the `data` section; vocab_size: the model's V, which the tokenizer must match."""
   if cfg.source not in SOURCES:
     raise ValueError(f"unknown data.source {cfg.source!r}; choose one of: {', '.join(SOURCES)}")
   baseline = None
   if cfg.source == "shakespeare":
+    _check_before_preparing(cfg, vocab_size)
     baseline = corpus.prepare(cfg.dir, vocab_size)
   if cfg.source == "c4":
     splits = {s: tfds_split(cfg.dir, s) for s in SPLITS}

