@@ -238,7 +238,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path) 
     requests.restore()
     clock.close()
   clock.enter("checkpointing")
-  ckpt.close()  # waits for the save in flight
+  try:
+    ckpt.close()  # waits for the save in flight: the final one (or the stop's) can fail here too
+  except BaseException as e:
+    e.add_note(_close_after_failure(ckpt, writer, workdir, e, save_failed=True))
+    raise
   writer.write(step if stop else steps, "goodput", clock.totals())
   writer.close()
   if stop:
@@ -257,12 +261,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: epath.Path) 
 
 
 def _close_after_failure(ckpt: checkpointing.Checkpointer, writer: metrics.Writer, workdir: epath.Path,
-                         failure: BaseException) -> str:
+                         failure: BaseException, save_failed: bool = False) -> str:
   """Finishes the save in flight (so the checkpoint named here exists) or discards what it left, and
-  the log; returns what was saved and where a rerun of the same command resumes."""
+  the log; returns what was saved and where a rerun of the same command resumes. save_failed: the
+  failure is the save in flight's own (raised by ckpt.close), so only what it left is discarded."""
   failed = []
   cause = (storage.write_refused(failure) or "").split(":")[0]
   closes = {"the checkpoint being saved": ckpt.close, "the run log's last records": writer.close}
+  if save_failed:
+    del closes["the checkpoint being saved"]
   for what, close in closes.items():
     try:
       close()

@@ -490,6 +490,43 @@ def test_a_full_disk_at_the_start_of_a_resume_names_the_latest_checkpoint(small_
         r"the same command resumes from it\n", result.stderr), result.stderr
 
 
+# The final save (step 10) meets a full disk in its asynchronous part, which ends after the final
+# evaluation, as the trainer waits for it: orbax's write of the config item fails.
+FINAL_SAVE_ON_A_FULL_DISK = """
+import errno, os
+from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+
+async def _full(self, x, directory, save=handler.JsonCheckpointHandler._save_fn):
+  if os.path.basename(os.path.dirname(os.fspath(directory))).startswith('10.'):
+    path = os.path.join(os.fspath(directory), 'metadata')
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+  await save(self, x, directory)
+
+handler.JsonCheckpointHandler._save_fn = _full
+"""
+
+
+def test_a_full_disk_at_the_final_save_removes_the_partial_checkpoint(small_corpus, tmp_path):
+  """The final save's failure was found outside the run's failure path: its partial step directory
+  stayed on the full disk, though this page says what a failed save wrote is deleted at exit."""
+  workdir = tmp_path / "run"
+  config = tmp_path / "run_config.py"
+  config.write_text(
+      CONFIG_FILE.format(corpus=str(small_corpus), steps=10, every=5) + FINAL_SAVE_ON_A_FULL_DISK)
+  env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+  result = subprocess.run([sys.executable, "-m", "lm.train", f"--config={config}", f"--workdir={workdir}"],
+                          capture_output=True, text=True, env=env, timeout=300)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert re.fullmatch(
+      rf"lm-train: no space left on device: cannot write {re.escape(str(workdir))}/checkpoints/10\.orbax-"
+      r"checkpoint-tmp\S*/config\S*/metadata \(on the file system mounted at \S+, [\d.]+ MB free\); free "
+      r"space on it; the latest checkpoint is at step 5; the same command resumes from it\n",
+      result.stderr), result.stderr[-3000:]
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["5"], "a failed save was left"
+  assert checkpointing.latest_step(workdir) == 5
+  assert_finite(checkpointing.load(str(workdir), 5)[1])
+
+
 # What a save or restore that failed on a loaded host leaves behind (tests below): TensorStore
 # operations whose awaiting event loop orbax closed, ending afterwards.
 ABANDONED = """
