@@ -52,8 +52,9 @@ class Tokenizer:
   def __init__(self, path: str | os.PathLike):
     path = epath.Path(path)
     if not path.exists():
-      raise FileNotFoundError(f"tokenizer model {path} does not exist; set data.tokenizer to a "
-                              f"SentencePiece .model file or prepare the data (docs/guides/c4_tpu.md, 'Tokenizer')")
+      raise FileNotFoundError(
+          f"tokenizer model {path} does not exist; set data.tokenizer to a "
+          f"SentencePiece .model file or prepare the data (docs/guides/c4_tpu.md, 'Tokenizer')")
     if path.is_dir():
       raise ValueError(f"tokenizer {path} is a directory; set data.tokenizer to a SentencePiece .model "
                        f"file (lm-prepare --train_tokenizer=V writes DIR/spm_bpe_V.model)")
