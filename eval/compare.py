@@ -4,7 +4,7 @@ Reads each workdir's training log (lm/runtime/run_log.py) and config.json, print
 runs' final validation metrics and throughput, and plots validation perplexity against training
 tokens, training FLOPs (each run's own FLOPs per token, lm/flops.py) and wall-clock seconds. Runs
 whose configs differ only in the seed are one curve: the mean with a band of ± one standard error.
-When the evaluations hold the loss by position in the context (lm-eval, lm-train's final
+When the evaluations hold the loss by position in the context (lm-evaluate, lm-train's final
 evaluation), FILE_positions.png shows the last evaluation's loss per bucket of positions.
 """
 
@@ -61,7 +61,7 @@ def read_run(workdir: str, split: str = "validation") -> dict:
   evals = by_kind(f"eval/{split}")
   if not evals:
     raise ValueError(f"{workdir} has no {split} evaluation yet; train until the first eval "
-                     f"(eval.every_steps) or run `lm-eval --workdir={workdir}`")
+                     f"(eval.every_steps) or run `lm-evaluate --workdir={workdir}`")
   runs = by_kind("run")
   rates = [r["tokens_per_sec"] for r in by_kind("train") if "tokens_per_sec" in r]
   config_path = epath.Path(workdir) / "config.json"
