@@ -10,6 +10,9 @@ Every point trains with lm-train into ROOT/<preset>_seed<seed>[_<field>=<value>.
 go to ROOT/<point>/point.json, and the summary of every finished point is rewritten after each. Rerunning the
 same command keeps finished points and resumes interrupted ones from their checkpoints. The summary
 (eval/grid_summary.py) goes to ROOT/summary.md, summary.json and the plots beside them.
+With --harness_tasks=wikitext,piqa,... (and --harness_data_dir, the `harness` extra) every finished point
+is also scored by lm-harness and the summary adds each variant's harness metrics and per-item paired
+differences between variants.
 `lm-sweep` and `lm-ablate` are this command too (their old flags --attentions and --workdir still work).
 """
 
@@ -29,6 +32,7 @@ from ml_collections import config_flags
 
 from data_pipelines import storage
 from eval import compare, grid_summary
+from eval.harness import paired as harness_paired
 from lm import attention, checkpointing, model as model_lib
 from lm.runtime import cli, metrics
 
@@ -294,6 +298,23 @@ def run_point(p: dict, workdir: epath.Path, config_file: str, latent_args: list[
   storage.write_text(workdir / "point.json", json.dumps(result, indent=1) + "\n")
 
 
+def harness_point(workdir: epath.Path, steps: int, harness_args: list[str]) -> None:
+  """lm-harness on a finished point (its final checkpoint), unless point.json has its results for the
+  same arguments already; the headline metrics go into point.json, the items stay in its file."""
+  path = workdir / "point.json"
+  result = json.loads(path.read_text())
+  if result.get("harness", {}).get("args") == harness_args:
+    return
+  _run(["eval.harness.cli", f"--workdir={workdir}", f"--step={steps}", *harness_args])
+  file = harness_paired.result_file(steps)
+  result["harness"] = {
+      "args": harness_args,
+      "file": file,
+      "headline": harness_paired.headline(json.loads((workdir / file).read_text()))
+  }
+  storage.write_text(path, json.dumps(result, indent=1) + "\n")
+
+
 def done(workdir: epath.Path, steps: int) -> dict | None:
   path = workdir / "point.json"
   if path.exists():
@@ -309,10 +330,11 @@ def done(workdir: epath.Path, steps: int) -> dict | None:
 
 def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list[str],
          axes: dict[str, list[str]], root: str, latent_args: tuple[str, ...] = (),
-         best_from: str | None = None, kept: tuple[str, ...] = ()) -> str:
+         best_from: str | None = None, kept: tuple[str, ...] = (), harness_args: tuple[str, ...] = ()) -> str:
   """Trains every point not yet done, then writes the summary; returns its markdown. latent_args:
   lm-latent's flags for the compositional tasks; kept: other grids' summary.json files whose points
-  the summary counts too."""
+  the summary counts too; harness_args: lm-harness's flags (--tasks=...) to score every finished
+  point with (none: no harness evaluation)."""
   chosen = None
   if best_from:
     if axes:
@@ -336,10 +358,14 @@ def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list
       run_point(p, workdir, config_file, list(latent_args))
       trained_seconds += time.perf_counter() - start
       trained += 1
+      if harness_args:
+        harness_point(workdir, p["config"].train.steps, list(harness_args))
       # After every point: a grid stopped or still running has the summary of what finished.
       grid_summary.write(root, config_file, list(axes), kept)
     else:
       print(f"grid: point {i} of {n}: {p['name']} is done (step {finished['step']}); kept", flush=True)
+      if harness_args:
+        harness_point(workdir, finished["step"], list(harness_args))
   return grid_summary.write(root, config_file, list(axes), kept)
 
 
@@ -352,7 +378,7 @@ def main(argv):
                 FLAGS.presets, FLAGS.seeds, parse_axes(FLAGS.grid), FLAGS.root,
                 [f"--examples={FLAGS.latent_examples}"] +
                 ([f"--paper_examples={FLAGS.latent_paper_examples}"] if FLAGS.latent_paper_examples else []),
-                FLAGS.best_from, tuple(FLAGS.kept))
+                FLAGS.best_from, tuple(FLAGS.kept), harness_flags(FLAGS))
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"lm-grid: {e}") from e
   print(text, end="")
@@ -360,7 +386,24 @@ def main(argv):
         f"({time.perf_counter() - start:.0f}s in this invocation)")
 
 
+def harness_flags(flag_values) -> tuple[str, ...]:
+  """lm-harness's arguments from the --harness_* flags; none without --harness_tasks."""
+  if not flag_values.harness_tasks:
+    return ()
+  args = [f"--tasks={','.join(flag_values.harness_tasks)}"]
+  for name in ("data_dir", "limit", "batch_size"):
+    if flag_values[f"harness_{name}"].value is not None:
+      args.append(f"--{name}={flag_values[f'harness_{name}'].value}")
+  return tuple(args)
+
+
 def run():
+  flags.DEFINE_list(
+      "harness_tasks", [], "lm-harness tasks to score every finished point on (the `harness` extra), "
+      "e.g. wikitext,lambada_openai,piqa; the summary adds per-item paired differences.")
+  flags.DEFINE_string("harness_data_dir", None, "lm-harness --data_dir: the tasks' local data.")
+  flags.DEFINE_integer("harness_limit", None, "lm-harness --limit: items per task.")
+  flags.DEFINE_integer("harness_batch_size", None, "lm-harness --batch_size.")
   config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
   flags.DEFINE_string("root", None, "Directory holding one workdir per grid point and the summary.")
   flags.DEFINE_list(

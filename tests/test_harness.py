@@ -19,7 +19,7 @@ from conftest import WORDS  # noqa: E402
 
 from data_pipelines import sources  # noqa: E402
 from eval import sample  # noqa: E402
-from eval.harness import model as harness_model, paired, scoring, tasks  # noqa: E402
+from eval.harness import model as harness_model, scoring, tasks  # noqa: E402
 from lm import checkpointing, decode, train  # noqa: E402
 from lm.experiment import Experiment  # noqa: E402
 
@@ -249,32 +249,6 @@ def test_download_writes_every_split_the_task_reads(tmp_path, monkeypatch):
   include = tasks.local_tasks(["arc_challenge"], tmp_path, tmp_path / "yaml")
   written = (tmp_path / "yaml" / "arc_challenge.yaml").read_text()
   assert "arc_challenge.yaml" in written and "dataset_path: parquet" in written and include[1] == tmp_path
-
-
-def test_paired_differences_match_by_item():
-  result = lambda accs: {
-      "results": {
-          "piqa": {
-              "acc,none": float(np.mean(accs)),
-              "acc_stderr,none": 0.1
-          }
-      },
-      "items": {
-          "piqa": {
-              "doc_id": list(range(len(accs))),
-              "acc": accs
-          }
-      }
-  }
-  a = [result([1.0, 1.0, 0.0, 1.0]), result([1.0, 0.0, 0.0, 1.0])]
-  b = [result([0.0, 1.0, 0.0, 1.0]), result([0.0, 0.0, 0.0, 0.0])]
-  diff = paired.paired(a, b)["piqa"]["acc"]
-  d = [1, 0, 0, 0, 1, 0, 0, 1]
-  assert diff["items"] == 8 and diff["mean"] == pytest.approx(np.mean(d))
-  assert diff["stderr"] == pytest.approx(np.std(d, ddof=1) / np.sqrt(8))
-  assert paired.headline(a[0]) == {"piqa": {"metric": "acc", "value": 0.75, "stderr": 0.1}}
-  text = paired.markdown({"hyla": a, "softmax": b}, [("hyla", "softmax", paired.paired(a, b))])
-  assert "| hyla − softmax | piqa | acc | +0.3750 ± 0.1830 | 8 |" in text
 
 
 def test_our_lm_evaluate_and_the_harness_cli_both_run():

@@ -10,6 +10,7 @@ standard error of an accuracy is 1-1.5 points, while the paired one removes what
 import json
 
 import numpy as np
+import scipy.stats
 from etils import epath
 
 from lm import stats
@@ -83,11 +84,12 @@ def paired(runs_a: list[dict], runs_b: list[dict]) -> dict[str, dict[str, dict]]
   }
 
 
-def resolved(mean: float, se: float | None) -> str:
-  """Whether the normal 95% interval of a paired mean over many items excludes 0."""
+def resolved(mean: float, se: float | None, count: int) -> str:
+  """Whether the 95% t-interval of a paired mean over `count` differences excludes 0."""
   if not se:
     return "n/a"
-  return f"{'yes' if abs(mean) > 1.96 * se else 'no'} ({abs(mean) / se:.1f} s.e.)"
+  needed = scipy.stats.t.ppf(0.975, count - 1)
+  return f"{'yes' if abs(mean) > needed * se else 'no'} ({abs(mean) / se:.1f} s.e.; 95% needs {needed:.1f})"
 
 
 def markdown(variants: dict[str, list[dict]], pairs: list[tuple[str, str, dict]]) -> str:
@@ -123,5 +125,45 @@ def markdown(variants: dict[str, list[dict]], pairs: list[tuple[str, str, dict]]
         for metric, d in diff.get(t, {}).items():
           se = "" if d["stderr"] is None else f" ± {d['stderr']:.4f}"
           lines.append(f"| {a} − {b} | {t} | {metric} | {d['mean']:+.4f}{se} | {d['items']} | "
-                       f"{resolved(d['mean'], d['stderr'])} |")
+                       f"{resolved(d['mean'], d['stderr'], d['items'])} |")
   return "\n".join(lines) + "\n"
+
+
+def result_file(step: int) -> str:
+  """Where lm-harness writes a step's results, relative to the workdir."""
+  return f"harness/step_{step}.json"
+
+
+def grid_section(root: str | epath.Path, chosen: dict[str, dict], points: list[dict]) -> tuple[str, dict]:
+  """lm-grid's harness section for each variant's best points (those whose workdirs are in root and
+  have lm-harness results): markdown, and the same as data for summary.json. Empty when none has."""
+  by_name = {p["name"]: p for p in points}
+  variants = {}
+  for variant, row in chosen.items():
+    for name in row["points"]:
+      point = by_name[name]
+      result = read(epath.Path(root) / name / point["harness"]["file"]) if "harness" in point else None
+      if result is not None:
+        variants.setdefault(variant, {})[point["seed"]] = result
+  if not variants:
+    return "", {}
+  pairs, names = [], list(variants)
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      seeds = sorted(variants[a].keys() & variants[b].keys())
+      if seeds:
+        pairs.append((a, b, paired([variants[a][s] for s in seeds], [variants[b][s] for s in seeds])))
+  text = markdown({v: [runs[s] for s in sorted(runs)] for v, runs in variants.items()}, pairs)
+  data = {
+      "headline": {
+          v: {
+              str(s): headline(r) for s, r in runs.items()
+          } for v, runs in variants.items()
+      },
+      "paired": [{
+          "a": a,
+          "b": b,
+          "tasks": d
+      } for a, b, d in pairs],
+  }
+  return text, data
