@@ -262,3 +262,28 @@ def test_our_lm_evaluate_and_the_harness_cli_both_run():
     help_text = subprocess.run([str(BIN / name), "--help"], capture_output=True, text=True,
                                timeout=300).stdout
     assert "--tasks" in help_text, name
+
+
+def test_two_processes_score_as_one(trained, tmp_path):
+  """Process 0 runs the harness, process 1 follows its broadcast steps (scoring and decoding): the
+  same item scores as one process."""
+  data = write_tasks(tmp_path)
+  args = lambda out: [
+      sys.executable, "-m", "eval.harness.cli", f"--workdir={trained}",
+      "--tasks=tiny_choice,tiny_rolling,tiny_generate", f"--data_dir={data}", "--batch_size=4",
+      f"--output={out}"
+  ]
+  env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  one = subprocess.run(args(tmp_path / "one.json"), capture_output=True, text=True, timeout=900, env=env,
+                       cwd=ROOT)
+  assert one.returncode == 0, one.stderr[-3000:]
+  two = subprocess.run([
+      sys.executable, "-m", "launch.cli", "processes", "-n", "2", "--xla_devices", "2", "--",
+      *args(tmp_path / "two.json")
+  ], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+  assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+  want, got = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+  for task in ("tiny_choice", "tiny_rolling", "tiny_generate"):
+    for metric, values in want["items"][task].items():
+      np.testing.assert_allclose(np.asarray(got["items"][task][metric], float), np.asarray(values, float),
+                                 rtol=1e-5, err_msg=f"{task} {metric}")
