@@ -20,6 +20,7 @@ from absl import flags
 from etils import epath
 
 from data_pipelines import sources, storage
+from eval.harness import scoring
 from lm import checkpointing
 from lm.experiment import Experiment
 from lm.runtime import cli
@@ -31,14 +32,22 @@ def result_path(workdir: str, step: int) -> epath.Path:
   return epath.Path(workdir) / "harness" / f"step_{step}.json"
 
 
-def per_item(samples: list[dict], metrics: list[str]) -> dict[str, list]:
+def per_item(samples: list[dict]) -> dict[str, list]:
   """The item scores of one task's samples, in document order: doc_id and each metric's value (a
-  number, or the pair that a corpus-level metric such as word perplexity aggregates)."""
-  samples = sorted(samples, key=lambda s: s["doc_id"])
-  out = {"doc_id": [s["doc_id"] for s in samples]}
-  for m in metrics:
-    if all(m in s for s in samples):
-      out[m] = [list(s[m]) if isinstance(s[m], (tuple, list)) else float(s[m]) for s in samples]
+  number, or the pair that a corpus-level metric such as word perplexity aggregates). A metric of a
+  filter other than the harness's default ("none") is named METRIC,FILTER."""
+  by_filter = {}
+  for s in samples:
+    by_filter.setdefault(s.get("filter", "none"), []).append(s)
+  out = {}
+  for name, mine in by_filter.items():
+    mine.sort(key=lambda s: s["doc_id"])
+    out.setdefault("doc_id", [s["doc_id"] for s in mine])
+    for m in mine[0].get("metrics", []):
+      values = [s[m] for s in mine]
+      out[m if name == "none" else f"{m},{name}"] = [
+          list(v) if isinstance(v, (tuple, list)) else float(v) for v in values
+      ]
   return out
 
 
@@ -49,7 +58,6 @@ def harness(workdir: str, tasks: list[str], *, step: int | None = None, data_dir
   other than 0, which follow process 0's steps."""
   os.environ.update(OFFLINE)
   os.environ["DISABLE_MULTIPROC"] = "1"  # its bootstrap would fork this process, JAX's threads and all
-  from eval.harness import scoring
   step, config = checkpointing.saved_config(workdir, step)
   if config.task != "lm":
     raise ValueError(f"this checkpoint is of task {config.task!r}; lm-harness scores language models "
@@ -65,9 +73,6 @@ def harness(workdir: str, tasks: list[str], *, step: int | None = None, data_dir
     results, table = _evaluate(scorer, tokenizer, tasks, data_dir, num_fewshot, limit, bootstrap_iters)
   finally:
     scorer.lockstep.stop()
-  metrics = {
-      t: [m["metric"] for m in results["configs"][t].get("metric_list", [])] for t in results["samples"]
-  }
   return {
       "step": step,
       "attention": exp.model_cfg.attention,
@@ -81,7 +86,7 @@ def harness(workdir: str, tasks: list[str], *, step: int | None = None, data_dir
       "n-samples": results["n-samples"],
       "versions": results["versions"],
       "items": {
-          t: per_item(s, metrics[t]) for t, s in results["samples"].items()
+          t: per_item(s) for t, s in results["samples"].items()
       },
       "table": table,
   }
@@ -102,7 +107,8 @@ def _evaluate(scorer, tokenizer, tasks, data_dir, num_fewshot, limit, bootstrap_
                        f"{' or in ' + data_dir if data_dir else ''}; check --tasks")
     results = lm_eval.simple_evaluate(model=model.HarnessLM(scorer, tokenizer), tasks=tasks,
                                       num_fewshot=num_fewshot, limit=limit, batch_size=scorer.rows,
-                                      task_manager=manager, log_samples=True, bootstrap_iters=bootstrap_iters)
+                                      task_manager=manager, log_samples=True, bootstrap_iters=bootstrap_iters,
+                                      torch_random_seed=None)
   return results, make_table(results)
 
 

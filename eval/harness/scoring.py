@@ -94,7 +94,7 @@ class Scorer:
     self.lockstep = Lockstep()
     self.replicated = NamedSharding(exp.mesh, P())
     self.batch_sharding = NamedSharding(exp.mesh, P(None, *exp.batch_sharding.spec))
-    self._decoder, self._cache = None, None
+    self._decoder, self._cache, self._init_caches = None, None, {}
 
   def _global(self, data: np.ndarray, sharding_: NamedSharding) -> jax.Array:
     """A host array every process holds whole, as one global array."""
@@ -138,10 +138,12 @@ class Scorer:
   def decode_start(self, length: int, prompt: np.ndarray) -> int:
     """Starts greedy decoding of one prompt [P] in a decoder of `length` positions; returns the first
     new token."""
-    self._decoder = decode.Decoder(self.exp.model_cfg, length)
+    self._decoder = decoder = decode.Decoder(self.exp.model_cfg, length)
+    if length not in self._init_caches:  # one compiled zero state per decoder length
+      self._init_caches[length] = jax.jit(lambda params: decoder.init_cache(params, 1),
+                                          out_shardings=self.replicated)
     with jax.set_mesh(self.exp.mesh):
-      self._cache = jax.jit(lambda params: self._decoder.init_cache(params, 1),
-                            out_shardings=self.replicated)(self.params)
+      self._cache = self._init_caches[length](self.params)
     return self._step(prompt[None])
 
   def decode_step(self, token: int) -> int:
