@@ -19,7 +19,7 @@ from conftest import WORDS  # noqa: E402
 
 from data_pipelines import sources  # noqa: E402
 from eval import sample  # noqa: E402
-from eval.harness import model as harness_model, scoring, tasks  # noqa: E402
+from eval.harness import model as harness_model, paired, scoring, tasks  # noqa: E402
 from lm import checkpointing, decode, train  # noqa: E402
 from lm.experiment import Experiment  # noqa: E402
 
@@ -287,3 +287,74 @@ def test_two_processes_score_as_one(trained, tmp_path):
     for metric, values in want["items"][task].items():
       np.testing.assert_allclose(np.asarray(got["items"][task][metric], float), np.asarray(values, float),
                                  rtol=1e-5, err_msg=f"{task} {metric}")
+
+
+def fake_rows(dataset_path: str, rng) -> list[dict]:
+  """A few rows in the schema of each standard task's dataset."""
+  sentence = lambda n: " ".join(rng.choice(WORDS, size=n))
+  make = {
+      "EleutherAI/wikitext_document_level":
+          lambda: {
+              "page": "\n".join(sentence(12) for _ in range(4))
+          },
+      "EleutherAI/lambada_openai":
+          lambda: {
+              "text": sentence(8)
+          },
+      "baber/piqa":
+          lambda: {
+              "goal": sentence(5),
+              "sol1": sentence(3),
+              "sol2": sentence(3),
+              "label": 1
+          },
+      "Rowan/hellaswag":
+          lambda: {
+              "activity_label": sentence(1),
+              "ctx_a": sentence(4),
+              "ctx_b": sentence(2),
+              "ctx": sentence(6),
+              "endings": [sentence(3) for _ in range(4)],
+              "label": "2"
+          },
+      "allenai/winogrande":
+          lambda: {
+              "sentence": f"{sentence(3)} _ {sentence(3)}",
+              "option1": sentence(1),
+              "option2": sentence(1),
+              "answer": "1"
+          },
+      "allenai/ai2_arc":
+          lambda: {
+              "question": sentence(5),
+              "choices": {
+                  "text": [sentence(2) for _ in range(4)],
+                  "label": list("ABCD")
+              },
+              "answerKey": "C"
+          },
+  }[dataset_path]
+  return [make() for _ in range(3)]
+
+
+def test_the_standard_seven_download_and_run_from_local_files(trained, tmp_path, monkeypatch):
+  """lm-harness-download for the seven standard tasks (the hub replaced by rows in each dataset's
+  schema), then lm-harness on them with the library's own prompts and metrics, offline."""
+  import datasets
+
+  from eval.harness import cli
+  rng = np.random.default_rng(3)
+  load = lambda path, name=None, **kwargs: datasets.DatasetDict(
+      {s: datasets.Dataset.from_list(fake_rows(path, rng)) for s in ("train", "validation", "test")})
+  monkeypatch.setattr(datasets, "load_dataset", load)
+  tasks.download(list(tasks.STANDARD), tmp_path / "data")
+  monkeypatch.undo()
+  for name in (*cli.OFFLINE, "DISABLE_MULTIPROC"):
+    monkeypatch.setenv(name, "1")
+  out = cli.harness(str(trained), list(tasks.STANDARD), data_dir=str(tmp_path / "data"), limit=2,
+                    batch_size=2)
+  assert set(out["results"]) == set(tasks.STANDARD)
+  for task in tasks.STANDARD:
+    assert out["items"][task]["doc_id"] == [0, 1], task
+  assert out["results"]["wikitext"]["word_perplexity,none"] > 1
+  assert set(paired.headline(out)) == set(tasks.STANDARD)
