@@ -16,6 +16,7 @@ differences between variants.
 `lm-sweep` and `lm-ablate` are this command too (their old flags --attentions and --workdir still work).
 """
 
+import importlib.util
 import itertools
 import json
 import re
@@ -344,6 +345,11 @@ def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list
     axes = {k: sorted({v[k] for v in chosen.values()}) for k in next(iter(chosen.values()))}
   root = epath.Path(root)
   base, points = plan(config_file, overrides, presets, seeds, axes, chosen)
+  if harness_args and base.task != "lm":
+    raise GridError(f"--harness_tasks scores language models; task {base.task!r} has none to score")
+  if harness_args and importlib.util.find_spec("lm_eval") is None:
+    raise GridError("--harness_tasks needs lm-evaluation-harness: run the grid from a venv with the "
+                    "harness extra (pip install -e '.[harness,test]')")
   check_root(root, base, list(axes), points)
   write_manifest(root, config_file, overrides, list(axes), base)
   n, trained_seconds, trained = len(points), 0.0, 0

@@ -111,3 +111,14 @@ def test_grid_scores_a_finished_point_once_per_arguments(tmp_path, monkeypatch):
   saved = json.loads((workdir / "point.json").read_text())["harness"]
   assert saved["args"] == ["--tasks=piqa", "--limit=2"]
   assert saved["headline"] == {"piqa": {"metric": "acc", "value": 0.5, "stderr": 0.1}}
+
+
+def test_grid_harness_flags_are_checked_before_training(tmp_path, monkeypatch):
+  with pytest.raises(grid.GridError, match="--harness_tasks scores language models; task 'fuzzy_logic'"):
+    grid.grid("configs/fuzzy_logic.py", [], ["softmax"], ["0"], {}, str(tmp_path / "f"),
+              harness_args=("--tasks=piqa",))
+  monkeypatch.setattr(grid.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(grid.GridError, match=r"needs lm-evaluation-harness: .*\.\[harness,test\]"):
+    grid.grid("configs/tiny.py", [], ["softmax"], ["0"], {}, str(tmp_path / "t"),
+              harness_args=("--tasks=piqa",))
+  assert not (tmp_path / "f").exists() and not (tmp_path / "t").exists()
