@@ -4,8 +4,9 @@ Reads each workdir's training log (lm/runtime/run_log.py) and config.json, print
 runs' final validation metrics and throughput, and plots validation perplexity against training
 tokens, training FLOPs (each run's own FLOPs per token, lm/flops.py) and wall-clock seconds. Runs
 whose configs differ only in the seed are one curve: the mean with a band of ± one standard error.
-When the evaluations hold the loss by position in the context (lm-eval, lm-train's final
-evaluation), FILE_positions.png shows the last evaluation's loss per bucket of positions.
+When the evaluations hold the loss by position in the context (lm-evaluate, lm-train's final
+evaluation), FILE_positions.png shows the last evaluation's loss per bucket of positions. Runs scored
+by lm-harness get a column per task: its headline metric at the latest step scored.
 """
 
 import json
@@ -16,6 +17,7 @@ from absl import app, flags
 from etils import epath
 
 from data_pipelines import storage
+from eval.harness import paired as harness_paired
 from lm import checkpointing, flops, stats
 from lm.model import ModelConfig
 from lm.runtime import cli, run_log
@@ -61,7 +63,7 @@ def read_run(workdir: str, split: str = "validation") -> dict:
   evals = by_kind(f"eval/{split}")
   if not evals:
     raise ValueError(f"{workdir} has no {split} evaluation yet; train until the first eval "
-                     f"(eval.every_steps) or run `lm-eval --workdir={workdir}`")
+                     f"(eval.every_steps) or run `lm-evaluate --workdir={workdir}`")
   runs = by_kind("run")
   rates = [r["tokens_per_sec"] for r in by_kind("train") if "tokens_per_sec" in r]
   config_path = epath.Path(workdir) / "config.json"
@@ -78,14 +80,23 @@ def read_run(workdir: str, split: str = "validation") -> dict:
       "evals": evals,
       "config": config,
       "flops_per_token": flops_per_token,
-      "tokens_per_sec": float(np.mean(rates)) if rates else None
+      "tokens_per_sec": float(np.mean(rates)) if rates else None,
+      "harness": harness(workdir)
   }
+
+
+def harness(workdir: str) -> dict[str, dict]:
+  """The headline metric of each task lm-harness scored at the run's latest scored step ({} if none)."""
+  files = sorted(epath.Path(workdir).glob("harness/step_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+  return harness_paired.headline(json.loads(files[-1].read_text())) if files else {}
 
 
 def table(runs: list[dict]) -> str:
   """Markdown: one row per run, its last evaluation."""
   fmt = lambda x, spec: "n/a" if x is None else format(x, spec)
-  rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+  tasks = {t: h["metric"] for r in runs for t, h in r.get("harness", {}).items()}
+  columns = COLUMNS + tuple(f"{t} {m}" for t, m in tasks.items())
+  rows = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   for r in runs:
     last = r["evals"][-1]
     train_flops = r["flops_per_token"] and r["flops_per_token"] * last["tokens_seen"]
@@ -93,6 +104,7 @@ def table(runs: list[dict]) -> str:
              fmt(train_flops, ".3g"), fmt(last["wall_seconds"], ",.0f") + " s", fmt(last["loss"], ".4f"),
              fmt(last["perplexity"], ".2f"), fmt(last.get("bits_per_byte"),
                                                  ".3f"), fmt(r["tokens_per_sec"], ",.0f"))
+    cells += tuple(fmt(r.get("harness", {}).get(t, {}).get("value"), ".4f") for t in tasks)
     rows.append("| " + " | ".join(cells) + " |")
   return "\n".join(rows) + "\n"
 

@@ -1,4 +1,4 @@
-"""Evaluates a checkpoint: `lm-eval --workdir=DIR [--step=S] [--split=validation]`.
+"""Evaluates a checkpoint: `lm-evaluate --workdir=DIR [--step=S] [--split=validation]`.
 
 Restores the parameters sharded over the devices present (the saved config's Experiment says how),
 runs the task's deterministic evaluation pipeline, prints the metrics as JSON and then writes them
@@ -71,12 +71,12 @@ def main(argv):
   try:
     result = evaluate(workdir, flags.FLAGS.step, flags.FLAGS.split, flags.FLAGS.attention_impl)
   except (ValueError, FileNotFoundError) as e:
-    raise SystemExit(f"lm-eval: {e}") from e
+    raise SystemExit(f"lm-evaluate: {e}") from e
   print(json.dumps(result, indent=1), flush=True)  # first: a failed write below loses nothing
   try:
     write(workdir, result)
   except OSError as e:
-    raise SystemExit(f"lm-eval: the metrics are printed above but were not saved: "
+    raise SystemExit(f"lm-evaluate: the metrics are printed above but were not saved: "
                      f"{storage.write_refused(e) or e}") from e
 
 

@@ -10,8 +10,12 @@ Every point trains with lm-train into ROOT/<preset>_seed<seed>[_<field>=<value>.
 go to ROOT/<point>/point.json, and the summary of every finished point is rewritten after each. Rerunning the
 same command keeps finished points and resumes interrupted ones from their checkpoints. The summary
 (eval/grid_summary.py) goes to ROOT/summary.md, summary.json and the plots beside them.
+With --harness_tasks=wikitext,piqa,... (and --harness_data_dir, the `harness` extra) every finished point
+is also scored by lm-harness and the summary adds each variant's harness metrics and per-item paired
+differences between variants.
 """
 
+import importlib.util
 import itertools
 import json
 import re
@@ -28,6 +32,7 @@ from ml_collections import config_flags
 
 from data_pipelines import storage
 from eval import compare, grid_summary
+from eval.harness import paired as harness_paired
 from lm import attention, checkpointing, model as model_lib
 from lm.runtime import cli, metrics
 
@@ -324,6 +329,23 @@ def run_point(p: dict, workdir: epath.Path, config_file: str, latent_args: list[
   storage.write_text(workdir / "point.json", json.dumps(result, indent=1) + "\n")
 
 
+def harness_point(workdir: epath.Path, steps: int, harness_args: list[str]) -> None:
+  """lm-harness on a finished point (its final checkpoint), unless point.json has its results for the
+  same arguments already; the headline metrics go into point.json, the items stay in its file."""
+  path = workdir / "point.json"
+  result = json.loads(path.read_text())
+  if result.get("harness", {}).get("args") == harness_args:
+    return
+  _run(["eval.harness.cli", f"--workdir={workdir}", f"--step={steps}", *harness_args])
+  file = harness_paired.result_file(steps)
+  result["harness"] = {
+      "args": harness_args,
+      "file": file,
+      "headline": harness_paired.headline(json.loads((workdir / file).read_text()))
+  }
+  storage.write_text(path, json.dumps(result, indent=1) + "\n")
+
+
 def done(workdir: epath.Path, steps: int) -> dict | None:
   path = workdir / "point.json"
   if path.exists():
@@ -339,10 +361,11 @@ def done(workdir: epath.Path, steps: int) -> dict | None:
 
 def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list[str],
          axes: dict[str, list[str]], root: str, latent_args: tuple[str, ...] = (),
-         best_from: str | None = None, kept: tuple[str, ...] = ()) -> str:
+         best_from: str | None = None, kept: tuple[str, ...] = (), harness_args: tuple[str, ...] = ()) -> str:
   """Trains every point not yet done, then writes the summary; returns its markdown. latent_args:
   lm-latent's flags for the compositional tasks; kept: other grids' summary.json files whose points
-  the summary counts too."""
+  the summary counts too; harness_args: lm-harness's flags (--tasks=...) to score every finished
+  point with (none: no harness evaluation)."""
   chosen = None
   if best_from:
     if axes:
@@ -352,12 +375,17 @@ def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list
     axes = {k: sorted({v[k] for v in chosen.values()}) for k in next(iter(chosen.values()))}
   root = epath.Path(root)
   base, points = plan(config_file, overrides, presets, seeds, axes, chosen)
+  if harness_args and base.task != "lm":
+    raise GridError(f"--harness_tasks scores language models; task {base.task!r} has none to score")
+  if harness_args and importlib.util.find_spec("lm_eval") is None:
+    raise GridError("--harness_tasks needs lm-evaluation-harness: run the grid from a venv with the "
+                    "harness extra (pip install -e '.[harness,test]')")
   check_root(root, base, list(axes), points)
   write_manifest(root, config_file, overrides, list(axes), base)
   global _stop
   _stop = StopRequest()
   try:
-    return _grid_points(root, config_file, points, list(axes), latent_args, kept)
+    return _grid_points(root, config_file, points, list(axes), latent_args, kept, harness_args)
   finally:
     _stop.restore()
     _stop = None
@@ -370,7 +398,7 @@ def _stopped(name: str, saved: str) -> SystemExit:
 
 
 def _grid_points(root: epath.Path, config_file: str, points: list[dict], axes: list[str],
-                 latent_args: tuple[str, ...], kept: tuple[str, ...]) -> str:
+                 latent_args: tuple[str, ...], kept: tuple[str, ...], harness_args: tuple[str, ...]) -> str:
   n, trained_seconds, trained = len(points), 0.0, 0
   for i, p in enumerate(points, 1):
     workdir = root / p["name"]
@@ -392,8 +420,13 @@ def _grid_points(root: epath.Path, config_file: str, points: list[dict], axes: l
       grid_summary.write(root, config_file, axes, kept)
       if _stop.requested:  # asked during the point's last evaluation, or after it
         raise _stopped(p["name"], "it finished")
+      if harness_args:  # after the stop check: a SIGTERM does not wait for the harness
+        harness_point(workdir, p["config"].train.steps, list(harness_args))
+        grid_summary.write(root, config_file, axes, kept)
     else:
       print(f"grid: point {i} of {n}: {p['name']} is done (step {finished['step']}); kept", flush=True)
+      if harness_args:
+        harness_point(workdir, finished["step"], list(harness_args))
   return grid_summary.write(root, config_file, axes, kept)
 
 
@@ -406,7 +439,7 @@ def main(argv):
                 FLAGS.presets, FLAGS.seeds, parse_axes(FLAGS.grid), FLAGS.root,
                 [f"--examples={FLAGS.latent_examples}"] +
                 ([f"--paper_examples={FLAGS.latent_paper_examples}"] if FLAGS.latent_paper_examples else []),
-                FLAGS.best_from, tuple(FLAGS.kept))
+                FLAGS.best_from, tuple(FLAGS.kept), harness_flags(FLAGS))
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"lm-grid: {e}") from e
   print(text, end="")
@@ -414,7 +447,24 @@ def main(argv):
         f"({time.perf_counter() - start:.0f}s in this invocation)")
 
 
+def harness_flags(flag_values) -> tuple[str, ...]:
+  """lm-harness's arguments from the --harness_* flags; none without --harness_tasks."""
+  if not flag_values.harness_tasks:
+    return ()
+  args = [f"--tasks={','.join(flag_values.harness_tasks)}"]
+  for name in ("data_dir", "limit", "batch_size"):
+    if flag_values[f"harness_{name}"].value is not None:
+      args.append(f"--{name}={flag_values[f'harness_{name}'].value}")
+  return tuple(args)
+
+
 def run():
+  flags.DEFINE_list(
+      "harness_tasks", [], "lm-harness tasks to score every finished point on (the `harness` extra), "
+      "e.g. wikitext,lambada_openai,piqa; the summary adds per-item paired differences.")
+  flags.DEFINE_string("harness_data_dir", None, "lm-harness --data_dir: the tasks' local data.")
+  flags.DEFINE_integer("harness_limit", None, "lm-harness --limit: items per task.")
+  flags.DEFINE_integer("harness_batch_size", None, "lm-harness --batch_size.")
   config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).")
   flags.DEFINE_string("root", None, "Directory holding one workdir per grid point and the summary.")
   flags.DEFINE_list(

@@ -13,6 +13,7 @@ from etils import epath
 
 from data_pipelines import storage
 from eval import compare
+from eval.harness import paired as harness_paired
 from lm import attention, stats
 
 matplotlib.use("Agg")
@@ -258,6 +259,8 @@ def write(root: epath.Path, config_file: str, axes: list[str], kept: tuple[str, 
     plots.append("curves.png")
     curves = compare.curves(runs, key, compare.INSTANCE_AXES[0][1])
   text = markdown(task, config_file, axes, rows, chosen, pairs, plots)
+  harness_text, harness = harness_paired.grid_section(root, chosen, points)
+  text += harness_text
   if kept:
     text += (f"\nAlso counted: {len(points) - len(own)} points of {', '.join(kept)} (no workdirs here: "
              f"in the tables, not in the curves).\n")
@@ -275,6 +278,7 @@ def write(root: epath.Path, config_file: str, axes: list[str], kept: tuple[str, 
               "paired": pairs,
               "curves": curves,
               "kept": list(kept),
+              "harness": harness,
               "points": points
           }, indent=1))
   return text

@@ -1,7 +1,7 @@
 """Generates text from a checkpoint: `lm-sample --workdir=DIR [--step=S] --prompt=TEXT|--prompt_file=F
 [--max_new_tokens=N --temperature=T --top_k=K --top_p=P --seed=S --num_samples=N]`.
 
-Restores the parameters sharded over the devices present (as lm-eval does), tokenizes the prompt with
+Restores the parameters sharded over the devices present (as lm-evaluate does), tokenizes the prompt with
 the run's tokenizer ([BOS] and its pieces: an empty prompt starts from BOS alone when the tokenizer
 has one), and decodes the samples as one batch (lm/decode.py). Each sample is printed after a header
 line, as the prompt followed by its continuation, cut at the first end-of-document token.

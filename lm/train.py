@@ -95,7 +95,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: epath.Path):
     # Resuming would evaluate the later parameters and label them with the earlier step.
     raise ValueError(f"{workdir} holds a checkpoint at step {latest}, past train.steps="
                      f"{config.train.steps}; set --config.train.steps={latest} or more to go on "
-                     f"training, evaluate it with `lm-eval --workdir={workdir} --step={latest}`, "
+                     f"training, evaluate it with `lm-evaluate --workdir={workdir} --step={latest}`, "
                      f"or use a new --workdir")
   return exp, data, ckpt
 

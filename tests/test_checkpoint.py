@@ -211,7 +211,7 @@ def test_a_run_saved_before_later_fields_existed_still_resumes(small_corpus, ref
   saved.write_text(json.dumps(_only_first_fields(json.loads(saved.read_text()))))
   step, config = checkpointing.saved_config(str(workdir))
   assert step == 30 and config.train.schedule == "cosine" and config.model.relative_bias_per_layer is False
-  # lm-eval and lm-sample build the run's Experiment from the saved config.
+  # lm-evaluate and lm-sample build the run's Experiment from the saved config.
   assert config.mesh.shard_state_over_data is False and not Experiment(config).state_over_data
   checkpointing.check_compatible(config.to_dict(), small_config(small_corpus).to_dict())
   assert checkpointing.load(str(workdir))[1]["embed"].shape == (320, 32)
@@ -320,7 +320,7 @@ def test_resuming_with_fewer_steps_than_the_checkpoint_stops(small_corpus, refer
   c.train.steps = 20
   with pytest.raises(
       ValueError, match=r"holds a checkpoint at step 30, past train.steps=20; set "
-      r"--config.train.steps=30 or more .*`lm-eval --workdir=.* --step=30`"):
+      r"--config.train.steps=30 or more .*`lm-evaluate --workdir=.* --step=30`"):
     train.train_and_evaluate(c, str(workdir))
   assert checkpointing.latest_step(workdir) == 30
 
@@ -553,7 +553,7 @@ def _write(path, data, write=storage.write_bytes):
 
 storage.write_bytes = _write
 """
-# In lm-eval (imported by every process, as sitecustomize): one ends as the checkpoint is looked for.
+# In lm-evaluate (imported by every process, as sitecustomize): one ends as the checkpoint is looked for.
 LATE_READ = ABANDONED + """
 from lm import checkpointing
 
@@ -624,7 +624,7 @@ checkpointing.saved_config = _saved_config
 
 @pytest.mark.parametrize("late", ["event loop", "orbax coroutines"])
 def test_reads_of_a_failed_restore_that_end_late_print_nothing(tmp_path, late):
-  """The same for the reading tools: lm-eval on a damaged checkpoint printed them too, and orbax's
+  """The same for the reading tools: lm-evaluate on a damaged checkpoint printed them too, and orbax's
   abandoned read coroutines."""
   (tmp_path / "sitecustomize.py").write_text(LATE_READ if late == "event loop" else ORBAX_LATE)
   env = {
@@ -633,5 +633,5 @@ def test_reads_of_a_failed_restore_that_end_late_print_nothing(tmp_path, late):
   }
   result = subprocess.run([sys.executable, "-m", "eval.evaluate", f"--workdir={tmp_path}"],
                           capture_output=True, text=True, env=env, timeout=300)
-  assert result.returncode == 1 and result.stderr.startswith(f"lm-eval: no checkpoint in {tmp_path}")
+  assert result.returncode == 1 and result.stderr.startswith(f"lm-evaluate: no checkpoint in {tmp_path}")
   assert result.stderr.count("\n") == 1, result.stderr[-3000:]

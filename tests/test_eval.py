@@ -1,4 +1,4 @@
-"""lm-eval against a hand-computed loss (overall and by position in the context), lm-compare on uneven,
+"""lm-evaluate against a hand-computed loss (overall and by position in the context), lm-compare on uneven,
 resumed, multi-seed and unevaluated runs."""
 
 import json
@@ -102,7 +102,7 @@ def test_eval_without_a_checkpoint_names_the_problem(tmp_path):
   result = subprocess.run([sys.executable, "-m", "eval.evaluate", f"--workdir={tmp_path}"],
                           capture_output=True, text=True, timeout=120)
   assert result.returncode != 0
-  assert f"lm-eval: no checkpoint in {tmp_path}/checkpoints" in result.stderr
+  assert f"lm-evaluate: no checkpoint in {tmp_path}/checkpoints" in result.stderr
   assert "Traceback" not in result.stderr
 
 
@@ -230,13 +230,13 @@ def test_compare_names_a_run_without_evaluation(tmp_path):
   result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
   assert result.returncode != 0 and "Traceback" not in result.stderr
   assert (f"lm-compare: {tmp_path / 'fresh'} has no validation evaluation yet; train until the first "
-          f"eval (eval.every_steps) or run `lm-eval --workdir={tmp_path / 'fresh'}`") in result.stderr
+          f"eval (eval.every_steps) or run `lm-evaluate --workdir={tmp_path / 'fresh'}`") in result.stderr
   assert f"{tmp_path / 'missing'} has no training log (metrics/*.jsonl)" in result.stderr
   assert not (tmp_path / "x.png").exists()
 
 
 def test_a_read_only_workdir_is_one_line_and_eval_prints_its_metrics_first(small_corpus, trained, tmp_path):
-  """lm-eval computes the metrics, prints them, then fails to write them: the line names the file
+  """lm-evaluate computes the metrics, prints them, then fails to write them: the line names the file
   and why. lm-train on the same workdir stops before anything is computed."""
   with filesystems.read_only(tmp_path / "ro", trained) as workdir:
     result = subprocess.run([sys.executable, "-m", "eval.evaluate", f"--workdir={workdir}"],
@@ -245,7 +245,7 @@ def test_a_read_only_workdir_is_one_line_and_eval_prints_its_metrics_first(small
     final = [r for r in run_log.read(trained) if r["kind"] == "eval/validation" and r["step"] == 6][-1]
     assert json.loads(result.stdout)["loss"] == pytest.approx(final["loss"], rel=1e-6)
     assert re.fullmatch(
-        rf"lm-eval: the metrics are printed above but were not saved: (read-only file system|permission "
+        rf"lm-evaluate: the metrics are printed above but were not saved: (read-only file system|permission "
         rf"denied): cannot write {workdir}/eval\S* .*; (remount it read-write|make it writable by this user)\n",
         result.stderr), result.stderr
     config = tmp_path / "config.py"
@@ -308,7 +308,7 @@ def test_compare_out_below_a_file_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("module, args, message", [
-    ("eval.evaluate", [], "lm-eval: no checkpoint in {w}/checkpoints: {w} is a file; --workdir must "
+    ("eval.evaluate", [], "lm-evaluate: no checkpoint in {w}/checkpoints: {w} is a file; --workdir must "
      "name the directory that lm-train --workdir wrote"),
     ("eval.sample", ["--prompt=hi"], "lm-sample: no checkpoint in {w}/checkpoints: {w} is a file; "
      "--workdir must name the directory that lm-train --workdir wrote"),
@@ -329,7 +329,7 @@ def test_a_workdir_that_is_a_file_is_named_by_the_reading_tools(tmp_path, module
 
 
 def test_a_damaged_checkpoint_is_one_line_naming_the_step_and_the_fix(trained, tmp_path):
-  """lm-eval (lm-sample and lm-latent read it the same way) printed TensorStore's whole error."""
+  """lm-evaluate (lm-sample and lm-latent read it the same way) printed TensorStore's whole error."""
   workdir = tmp_path / "run"
   shutil.copytree(trained, workdir)
   for f in (workdir / "checkpoints" / "6" / "state").rglob("*"):
@@ -339,7 +339,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_step_and_the_fix(trained, t
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
   assert re.fullmatch(
-      rf"lm-eval: the checkpoint at step 6 \({workdir}/checkpoints/6\) cannot be read: .{{10,300}}; "
+      rf"lm-evaluate: the checkpoint at step 6 \({workdir}/checkpoints/6\) cannot be read: .{{10,300}}; "
       r"lm-train with --config.checkpoint.skip_damaged=true sets damaged steps aside and resumes from "
       r"the newest intact one\n", result.stderr), result.stderr
 

@@ -1,6 +1,6 @@
 """gs:// data and workdirs against the GCS API emulator (tests/gcs_emulator.py): lm-prepare reads
 json.gz from a bucket and writes shards and a tokenizer to it; the grid runner (lm-sweep) trains on
-them into the bucket and summarises there (lm-compare's curves); lm-eval evaluates the run there. SIGKILL and exact resume on gs:// are in
+them into the bucket and summarises there (lm-compare's curves); lm-evaluate evaluates the run there. SIGKILL and exact resume on gs:// are in
 test_checkpoint.py, two jobs on one gs:// workdir in test_ownership.py."""
 
 import gzip

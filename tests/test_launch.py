@@ -326,7 +326,7 @@ def test_processes_forward_sigterm(tmp_path):
 
 
 @pytest.mark.parametrize("script,expected", [("lm-train", ("--config", "--workdir")),
-                                             ("lm-eval", ("--workdir", "--step"))])
+                                             ("lm-evaluate", ("--workdir", "--step"))])
 def test_console_script_help_lists_its_flags(script, expected):
   # An installed console script's main module is a generated wrapper that defines no flags, so
   # absl's --help listed none before lm.runtime.cli registered them under the wrapper's name.

@@ -1,4 +1,4 @@
-"""Entry of every console script (lm-train, lm-eval, ...): what all of them set up the same way.
+"""Entry of every console script (lm-train, lm-evaluate, ...): what all of them set up the same way.
 
 A command defines its flags in its `run()`, never on import, so that any modules (and tests and
 scripts with flags of their own) import side by side; `run()` then calls `cli.run(main, __name__)`,
