@@ -51,7 +51,7 @@ def evaluate(workdir: str, step: int | None = None, split: str = "validation",
 
 def experiment_here(config, attention_impl: str | None) -> Experiment:
   """The saved run's Experiment on this host's devices, with its kernel replaced by `attention_impl`
-  if given (lm-eval, lm-sample --attention_impl); a kernel that does not run here is one line."""
+  if given (lm-evaluate, lm-sample --attention_impl); a kernel that does not run here is one line."""
   if attention_impl:
     config.model.attention_impl = attention_impl
   exp = Experiment(config)

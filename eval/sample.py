@@ -20,7 +20,7 @@ def sample(workdir: str, prompt: str, *, step: int | None = None, max_new_tokens
            sampling: decode.Sampling, seed: int = 0, num_samples: int = 1,
            attention_impl: str | None = None) -> list[str]:
   """The prompt followed by each sample's continuation, up to the first end-of-document token;
-  `attention_impl` replaces the run's kernel, as in lm-eval."""
+  `attention_impl` replaces the run's kernel, as in lm-evaluate."""
   step, config = checkpointing.saved_config(workdir, step)
   if config.task != "lm":
     raise ValueError(f"this checkpoint is of task {config.task!r}, which does not generate text; "

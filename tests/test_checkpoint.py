@@ -340,7 +340,7 @@ def damage(step_dir, how: str) -> None:
 @pytest.mark.parametrize("foreign", [False, True])
 def test_an_empty_or_foreign_step_directory_is_called_what_it_is(small_corpus, reference, tmp_path, foreign):
   """An empty checkpoints/999 was "a checkpoint at step 999", with advice to train to step 999 and to
-  evaluate it; lm-eval on it was a traceback."""
+  evaluate it; lm-evaluate on it was a traceback."""
   workdir = tmp_path / "run"
   shutil.copytree(reference, workdir)
   (workdir / "checkpoints" / "999").mkdir()
@@ -578,7 +578,7 @@ def test_writes_of_a_failed_save_that_end_late_print_nothing(small_corpus, tmp_p
   assert result.stderr == "", result.stderr[-3000:]
 
 
-# What else a restore that failed on one array leaves (about one lm-eval in four on a damaged
+# What else a restore that failed on one array leaves (about one lm-evaluate in four on a damaged
 # checkpoint): orbax's read coroutines of the other arrays, closed when collected, raise their own
 # error ("Exception ignored in: <coroutine ...>"), and tasks of them that failed unawaited are logged
 # ("Task exception was never retrieved"). Built here under orbax's own file name, as Python shows them.

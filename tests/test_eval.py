@@ -367,7 +367,7 @@ def _plot_text(runs, out) -> str:
 
 @pytest.mark.parametrize("impl", ["pallas", "splash"])
 def test_a_run_saved_with_a_tpu_kernel_names_the_flag_and_the_choices_here(trained, monkeypatch, impl):
-  """lm-eval and lm-sample of a run trained with an explicit TPU kernel, on CPU: one line naming the
+  """lm-evaluate and lm-sample of a run trained with an explicit TPU kernel, on CPU: one line naming the
   field and the kernels that run here (it was Pallas's own sentence); --attention_impl reads it here."""
   from eval import sample
   step, config = checkpointing.saved_config(str(trained))

@@ -173,7 +173,7 @@ def _closed_port() -> int:
 
 UNREACHABLE = {
     "lm-train": ["lm.train", "--config=configs/tiny.py", "--workdir={gs}/run"],
-    "lm-eval": ["eval.evaluate", "--workdir={gs}/run"],
+    "lm-evaluate": ["eval.evaluate", "--workdir={gs}/run"],
     "lm-prepare": [
         "launch.prepare", "--train={gs}/raw/train-*.json.gz", "--validation={gs}/raw/v-*.json.gz",
         "--output={tmp}/data", "--workers=1"
