@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from data_pipelines import pipeline
 from lm import (
+    attention,
     cross_entropy,
     gradients,
     model as model_lib,
@@ -152,14 +153,20 @@ class Experiment:
     self.sums_on_devices = gradients.sums_on_devices(platform, shards, self.state_shardings.params)
 
   def check_kernels_run_here(self, flag: str = "--config.model.attention_impl") -> None:
-    """An explicit TPU kernel (model.attention_impl=pallas, splash, ...) on other devices stops with a
-    line naming the field and the choices that run here (`flag` sets it), not Pallas's own sentence
-    at the first step."""
-    impl = self.model_cfg.attention_impl
-    here = [name for name, row in ATTENTION_IMPLS.items() if self.platform in row.auto]
-    if impl != "auto" and impl in ATTENTION_IMPLS and impl not in here:
-      raise ValueError(f"model.attention_impl={impl!r} runs on TPU only, and this run's devices are "
-                       f"{self.platform}; set {flag} to one of: auto, {', '.join(here)}")
+    """An explicit kernel of another platform (model.attention_impl=pallas, splash, cudnn, ...) stops
+    with a line naming the field and the choices that run here for this model's layers (`flag` sets
+    it), not the kernel's own sentence at the first step."""
+    cfg, impl = self.model_cfg, self.model_cfg.attention_impl
+    row = ATTENTION_IMPLS.get(impl)
+    if row is None or not row.auto or self.platform in row.auto:  # auto={}: runs anywhere, auto never takes it
+      return
+    call = cfg.attention_call()
+    here = [
+        name for name, r in ATTENTION_IMPLS.items() if self.platform in r.auto and all(
+            attention.unsupported(name, cfg.layer_knobs(layer), call) is None for layer in range(cfg.L))
+    ]
+    raise ValueError(f"model.attention_impl={impl!r} runs on {' and '.join(row.auto).upper()} only, and this "
+                     f"run's devices are {self.platform}; set {flag} to one of: auto, {', '.join(here)}")
 
   def _init_boxed(self, rng: jax.Array) -> TrainState:
     # One row of the run's own length: initialisation runs the attention kernels the run will use,

@@ -379,7 +379,7 @@ def test_a_run_saved_with_a_tpu_kernel_names_the_flag_and_the_choices_here(train
   tiling.data.seq_len = 128  # a length the kernel tiles, as a TPU run's
   saved["config"] = tiling
   message = (f"model.attention_impl={impl!r} runs on TPU only, and this run's devices are cpu; set "
-             f"--attention_impl to one of: auto, chunked, dot_product, blocked, reference")
+             f"--attention_impl to one of: auto, dot_product, blocked, reference")
   with pytest.raises(ValueError) as e:
     evaluate.evaluate(str(trained))
   assert str(e.value) == message

@@ -315,10 +315,9 @@ def test_an_explicit_tpu_kernel_on_cpu_names_the_field_and_the_choices(impl):
   c.model.attention_impl = impl
   with pytest.raises(ValueError) as e:
     Experiment(c).check_kernels_run_here()
-  assert str(
-      e.value) == (f"model.attention_impl={impl!r} runs on TPU only, and this run's devices are cpu; "
-                   f"set --config.model.attention_impl to one of: auto, chunked, dot_product, blocked, "
-                   f"reference")
+  assert str(e.value) == (f"model.attention_impl={impl!r} runs on TPU only, and this run's devices are cpu; "
+                          f"set --config.model.attention_impl to one of: auto, dot_product, blocked, "
+                          f"reference")
 
 
 def test_an_unknown_cross_entropy_impl_fails_when_the_experiment_is_built():
@@ -413,4 +412,14 @@ def test_the_cpu_library_fusion_is_cpu_only_and_checked():
   with pytest.raises(
       ValueError, match=r'^unknown cpu_library_fusion kind\(s\) matmul; choose from dot, '
       r'eltwise, reduce, comma-separated, or "" for XLA\'s default$'):
+    Experiment(c)
+
+
+def test_a_gpu_kernel_on_cpu_is_refused_when_the_experiment_is_built():
+  c = tiny.get_config()
+  c.model.attention, c.model.attention_impl = "linear", "cudnn"
+  with pytest.raises(ValueError, match="'cudnn' computes softmax attention only"):
+    Experiment(c)
+  c.model.attention, c.model.dtype = "softmax", "bfloat16"  # what cuDNN takes
+  with pytest.raises(ValueError, match="attention impl 'cudnn' runs on GPU only, not cpu; use impl 'auto'"):
     Experiment(c)
