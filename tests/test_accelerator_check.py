@@ -8,9 +8,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_accelerator_check_smoke_on_cpu(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   result = subprocess.run([

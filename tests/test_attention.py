@@ -41,6 +41,7 @@ def _layer(normalization, value_network, nonlinearity="relu", D=12, H=3, T=6, se
   return p, np.asarray(x_btd[0], np.float64), np.asarray(y_btd[0], np.float64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("normalization", ["softmax", "none"])
 def test_linear_value_network_is_a_hypernetwork(normalization):
   """y_q = Σ_k W_qk x_k with W_qk = Σ_h a[h,q,k] W_out_h W_val_h built explicitly."""
@@ -56,6 +57,7 @@ def test_linear_value_network_is_a_hypernetwork(normalization):
     np.testing.assert_allclose(y_td[qi], y, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nonlinearity", ["relu", "tanh", "identity"])
 def test_hyla_is_a_generated_two_layer_network(nonlinearity):
   """y_q = Σ_k W_out_qk φ(W_val_qk x_k), W_val_qk = Σ_h a W_val_h, W_out_qk = Σ_h a W_out_h."""
@@ -78,6 +80,7 @@ def _qkv(B=2, T=10, H=3, K=4, seed=0):
   return [jax.random.normal(k, (B, T, H, K)) for k in ks]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("normalization,value_network", COMBOS)
 def test_causality(normalization, value_network):
   q, k, v = _qkv()
@@ -89,6 +92,7 @@ def test_causality(normalization, value_network):
   assert not np.allclose(out[:, t + 1:], out2[:, t + 1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("normalization,value_network", COMBOS)
 def test_segments_are_isolated(normalization, value_network, causal):
@@ -117,6 +121,7 @@ def test_rms_head_zeros_masked_and_unit_rms_elsewhere():
   np.testing.assert_allclose(rms_bqk[mask_bqk], 1.0, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_softmax_matches_jax_dot_product_attention():
   q, k, v = _qkv(T=12)
   ours = attention.attend(q, k, v, normalization="softmax", value_network="linear")
@@ -130,6 +135,7 @@ def test_none_normalisation_is_raw_scaled_scores():
   np.testing.assert_allclose(a, jnp.einsum("bqhd,bkhd->bhqk", q, k) / 2.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_bias_is_added_before_normalisation():
   q, k, v = _qkv(B=1, H=2)
   bias = jnp.zeros((1, 2, 10, 10)).at[:, :, :, 0].set(50.0)
@@ -137,6 +143,7 @@ def test_bias_is_added_before_normalisation():
   np.testing.assert_allclose(a[..., 0], 1.0, atol=1e-6)  # the bias dominates every query's row
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias_shape", [(1, 2, 10, 10), (3, 2, 10, 10), (2, 10, 10), (1, 1, 10, 10),
                                         (3, 1, 10, 10)])
 def test_a_broadcast_bias_gets_the_gradient_of_the_plain_sum(bias_shape):

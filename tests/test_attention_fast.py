@@ -68,6 +68,7 @@ def _blocked(q, k, v, *, normalization, value_network, nonlinearity="relu", **kw
   return attention_blocked.attend_blocked(q, k, v, knobs=knobs, **kw, block=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("normalization,value_network", COMBOS)
 def test_blocked_equals_reference(normalization, value_network, causal):
@@ -93,6 +94,7 @@ def test_blocked_softmax_in_one_tile_runs_the_definition():
   assert loops("hyla"), "the check itself sees the tiled kernel"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nonlinearity", ["gelu", "tanh", "identity"])
 def test_blocked_hyla_nonlinearities(nonlinearity):
   knobs = dict(normalization="rms_head", value_network="hypernetwork", nonlinearity=nonlinearity)
@@ -117,6 +119,7 @@ def _shapes(jaxpr):
       yield from _shapes(sub)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl,preset", [("blocked", "hyla"), ("blocked", "softmax"), ("chunked", "linear")])
 def test_training_never_forms_sequence_squared_tensors(impl, preset):
   """No intermediate of the forward and backward pass has two sequence-length dimensions (the length
@@ -133,6 +136,7 @@ def test_training_never_forms_sequence_squared_tensors(impl, preset):
   assert any(squared(s) for s in _shapes(reference.jaxpr)), "the check itself finds nothing"
 
 
+@pytest.mark.slow
 def test_blocked_training_memory_grows_linearly():
   """Compiled forward+backward scratch memory: doubling the length about doubles blocked HYLA's
   (the reference's quadruples)."""
@@ -148,6 +152,7 @@ def test_blocked_training_memory_grows_linearly():
   assert blocked < 2.5 < 3.5 < reference, (blocked, reference)
 
 
+@pytest.mark.slow
 def test_chunked_linear_equals_reference():
   knobs = attention.preset("linear")
   chunked = lambda q, k, v, **kw: attention.attend(q, k, v, **kw, impl="chunked")
@@ -155,6 +160,7 @@ def test_chunked_linear_equals_reference():
   _assert_same(chunked, knobs, segment_ids=SEGMENTS_BT, bias=False)
 
 
+@pytest.mark.slow
 def test_chunked_resets_at_every_segment_inside_a_chunk():
   q, k, v, _, cotangent = _inputs(T=40)
   seg_bt = jnp.array([[1] * 3 + [2] * 30 + [3] * 2 + [4] * 5, [1] * 40])
@@ -163,6 +169,7 @@ def test_chunked_resets_at_every_segment_inside_a_chunk():
                              rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_splash_equals_reference_in_interpret_mode(causal):
   """The TPU splash kernel run by Pallas's interpreter: the same outputs and gradients as the
@@ -180,6 +187,7 @@ def test_splash_equals_reference_in_interpret_mode(causal):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T,causal,segments,tiles", [(384, True, True, 6), (256, False, True, 1),
                                                      (1024, True, False, 3)])
 def test_pallas_linear_equals_reference_in_interpret_mode(T, causal, segments, tiles):
@@ -210,6 +218,7 @@ def test_pallas_linear_names_a_row_whose_dq_does_not_fit_on_chip():
     jax.eval_shape(kernel, jax.ShapeDtypeStruct((1, 65664, 8, 64), jnp.bfloat16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,causal,segments,keep_z", [("hyla", True, True, True),
                                                            ("hyla", False, False, False),
                                                            ("hyla_no_rms_head", True, False, False),
@@ -235,6 +244,7 @@ def test_pallas_hypernetwork_equals_reference_in_interpret_mode(preset, causal, 
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4 * np.abs(g_ref).max(), err_msg=name)
 
 
+@pytest.mark.slow
 def test_pallas_kernels_on_each_device_of_a_mesh():
   """Under a mesh of 4 CPU devices (rows over data, heads over tensor), HYLA's and linear attention's
   kernels run on each device's shard (interpret mode; HYLA's gather the heads, linear attention's split
@@ -272,6 +282,7 @@ def test_pallas_kernels_on_each_device_of_a_mesh():
   assert result.stdout.strip().endswith("equal"), result.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mxu_operands", ["float32", "bfloat16"])
 def test_pallas_hypernetwork_in_bfloat16(mxu_operands, monkeypatch):
   """The model's compute dtype: outputs and gradients come back in bfloat16, as close to the float32
@@ -295,6 +306,7 @@ def test_pallas_hypernetwork_in_bfloat16(mxu_operands, monkeypatch):
   _assert_bfloat16_as_close_as_the_reference(kernel, reference, (q, k, v), cotangent)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_z", [True, False])
 def test_pallas_hypernetwork_whole_tiles_in_bfloat16(keep_z):
   """In bfloat16 the backward kernel forms a whole tile's dv and the part of da through z in a loop over
@@ -329,6 +341,7 @@ def _assert_bfloat16_as_close_as_the_reference(kernel, reference, qkv, cotangent
     assert e_kernel <= 1.5 * e_reference + 1e-3, (name, e_kernel, e_reference)
 
 
+@pytest.mark.slow
 def test_pallas_linear_in_bfloat16():
   """The model's compute dtype. Every operand the linear kernels hand the MXU is already in it (q, k, v,
   g, and the scores and their cotangent rounded to it, as the chunked form rounds the scores), so the
@@ -342,6 +355,7 @@ def test_pallas_linear_in_bfloat16():
                                              (q, k, v), cotangent)
 
 
+@pytest.mark.slow
 def test_auto_softmax_traces_again_at_a_length_splash_tiles():
   """On CPU, auto still traces the TPU branch (splash) of softmax attention: a second trace, as
   lm-train's initialisation then train step make, must not meet values of the first."""
@@ -352,6 +366,7 @@ def test_auto_softmax_traces_again_at_a_length_splash_tiles():
   assert jax.grad(lambda q: attend(q).sum())(q).shape == q.shape
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_dot_product_softmax_equals_reference(causal):
   impl = lambda q, k, v, **kw: attention.attend(q, k, v, **kw, impl="dot_product")
@@ -397,6 +412,7 @@ def test_auto_skips_implementations_that_cannot_drop():
   assert set(_chosen("softmax", dropout=True).values()) == {"blocked"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["softmax", "linear", "hyla"])
 def test_auto_model_equals_reference_model(preset):
   outs = []
@@ -471,6 +487,7 @@ def test_pallas_hypernetwork_names_a_row_whose_dq_does_not_fit_on_chip():
     jax.eval_shape(kernel, jax.ShapeDtypeStruct((1, 32896, 8, 64), jnp.bfloat16))
 
 
+@pytest.mark.slow
 def test_auto_compiles_the_pallas_kernel_for_tpu(v5e_2x2):
   """Softmax, HYLA and linear attention under impl auto, compiled ahead of time for a v5e mesh (batch and
   heads sharded), run their Pallas kernels forward and backward (splash: a forward and a fused backward
@@ -493,6 +510,7 @@ def test_auto_compiles_the_pallas_kernel_for_tpu(v5e_2x2):
     assert lowered.compile() is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["hyla", "hyla_softmax"])
 def test_blocked_hypernetwork_pullback_in_bfloat16(preset):
   """The model computes attention in bfloat16: the hand-written hypernetwork pullback keeps the inputs'
@@ -513,6 +531,7 @@ def test_blocked_hypernetwork_pullback_in_bfloat16(preset):
     assert b <= 1.5 * r + 1e-3, (name, b, r)
 
 
+@pytest.mark.slow
 def test_dropout_mask_is_one_mask_that_any_tile_draws_its_part_of():
   rng = jax.random.key(3)
   full = attention_core.dropout_keep(rng, jnp.arange(64), jnp.arange(64), 0.25)
@@ -524,6 +543,7 @@ def test_dropout_mask_is_one_mask_that_any_tile_draws_its_part_of():
   assert float((other != full).mean()) > 0.2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("normalization,value_network", COMBOS)
 def test_blocked_dropout_equals_reference_under_the_same_mask(normalization, value_network):
   """Tiles of 8 over 21 tokens: each tile's part of the mask, forward and in both backward passes."""
@@ -531,6 +551,7 @@ def test_blocked_dropout_equals_reference_under_the_same_mask(normalization, val
   _assert_same(_blocked, knobs, segment_ids=SEGMENTS_BT, bias=True, dropout_rate=0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", [n for n, i in attention.IMPLS.items() if i.dropout and n != "reference"])
 def test_every_dropping_impl_equals_reference_under_the_same_mask(impl):
   fast = lambda q, k, v, **kw: attention.attend(q, k, v, **kw, impl=impl)
@@ -538,6 +559,7 @@ def test_every_dropping_impl_equals_reference_under_the_same_mask(impl):
                dropout_rate=0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["softmax", "hyla"])
 def test_model_dropout_takes_the_fast_kernel_with_the_reference_mask(preset):
   tokens_bt = jax.random.randint(jax.random.key(0), (2, 12), 0, 16)

@@ -91,6 +91,7 @@ def test_model_config_refuses_cudnn_for_float32():
   model_lib.ModelConfig(V=8, attention="softmax", attention_impl="cudnn", dtype="bfloat16")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_pallas_gpu_flash_attention_equals_reference_in_interpret_mode(causal):
   """jax's Pallas GPU (Triton) flash attention run by Pallas's interpreter: the same outputs and
@@ -133,6 +134,7 @@ def _traced_gpu_branch(monkeypatch, name, segment_ids):
   return seen
 
 
+@pytest.mark.slow
 def test_auto_traces_cudnn_for_the_gpu_with_what_its_row_takes(monkeypatch):
   assert _traced_gpu_branch(monkeypatch, "cudnn", None) == {"causal": True}
 

@@ -116,6 +116,7 @@ def _data_cfg(source, data_dir, tok_path, **kw):
   return ml_collections.ConfigDict(dict(source=source, dir=str(data_dir), tokenizer=str(tok_path), **kw))
 
 
+@pytest.mark.slow
 def test_tfds_c4_validation_every_target_once_sharded_and_bytes(tfds_dir, c4_docs, small_corpus):
   tok = _tok(small_corpus)
   data = sources.resolve(_data_cfg("c4", tfds_dir, tok.path), 320)
@@ -157,6 +158,7 @@ def test_tfds_c4_per_host_shards_partition_train_and_resume_exactly(tfds_dir, sm
       np.testing.assert_array_equal(got[k], want[k])
 
 
+@pytest.mark.slow
 def test_tfds_c4_evaluation_is_token_weighted_with_bits_per_byte(tfds_dir, c4_docs, small_corpus):
   c = small_config(small_corpus)
   c.data.update(source="c4", dir=str(tfds_dir), tokenizer=str(_tok(small_corpus).path), seq_len=16)
@@ -201,6 +203,7 @@ def test_a_tfds_split_missing_a_shard_names_it(tmp_path, tfds_dir, small_corpus)
       f"c4/en:3.1.0 --data_dir={tmp_path} --file_format=array_record`")
 
 
+@pytest.mark.slow
 def test_lm_prepare_converts_json_gz_shards(tmp_path, allenai_files, c4_docs, small_corpus):
   out = tmp_path / "text"
   result = subprocess.run([
@@ -218,6 +221,7 @@ def test_lm_prepare_converts_json_gz_shards(tmp_path, allenai_files, c4_docs, sm
   assert _predicted(batches) == _transitions(c4_docs["validation"], tok)
 
 
+@pytest.mark.slow
 def test_lm_prepare_resumes_after_being_killed(tmp_path):
   inputs, out = tmp_path / "in", tmp_path / "out"
   inputs.mkdir()
@@ -251,6 +255,7 @@ def test_lm_prepare_resumes_after_being_killed(tmp_path):
   assert not list(out.glob(".*.tmp"))  # the killed shard's partial file was redone and renamed
 
 
+@pytest.mark.slow
 def test_pretokenized_path_equals_raw_path_and_refuses_another_tokenizer(tmp_path, allenai_files,
                                                                          small_corpus):
   tok = _tok(small_corpus)
@@ -295,6 +300,7 @@ def test_text_and_jsonl_inputs(tmp_path):
   ]
 
 
+@pytest.mark.slow
 def test_prepare_refuses_a_directory_made_from_other_inputs(tmp_path):
   """Finished shards count as done for the inputs they were made from only."""
 
@@ -342,6 +348,7 @@ def test_a_listed_input_that_does_not_exist_is_an_error(tmp_path):
   assert prepare.expand(f"{tmp_path}/*.txt,{tmp_path}/*.json") == [epath.Path(tmp_path / "a.txt")]
 
 
+@pytest.mark.slow
 def test_an_empty_input_is_prepared_with_a_warning(tmp_path, capsys):
   (tmp_path / "full.jsonl").write_text('{"text": "words"}\n')
   (tmp_path / "empty.jsonl").write_text("")
@@ -372,6 +379,7 @@ records.array_record_module = type("array_record_module", (), {"ArrayRecordWrite
 """
 
 
+@pytest.mark.slow
 def test_lm_prepare_on_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path):
   """A file system with room for one train shard of three: one line names the shard, the file
   system and the fix; the finished shard is kept (the rerun, with room, skips it) and no partial
@@ -411,6 +419,7 @@ def test_lm_prepare_on_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path):
       assert totals["train"]["skipped"] == 1 and totals["train"]["documents"] == 1200
 
 
+@pytest.mark.slow
 def test_lm_prepare_into_an_output_that_is_a_file_names_it(tmp_path):
   (tmp_path / "in.txt").write_text("a document")
   (tmp_path / "out").write_text("notes")
@@ -422,6 +431,7 @@ def test_lm_prepare_into_an_output_that_is_a_file_names_it(tmp_path):
   assert result.stderr == f"lm-prepare: --output={tmp_path}/out is a file; give a directory (it is created if missing)\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("train, extra, message", [
     ("{d}/b.txt", [], "input {d}/b.txt does not exist"),
     ("{d}", [], "input {d} is a directory; give its files, e.g. {d}/*.json.gz"),

@@ -76,6 +76,7 @@ def reference(small_corpus, tmp_path_factory):
   return workdir / "run"
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_an_uninterrupted_run(small_corpus, reference, tmp_path):
   workdir = tmp_path / "run"
   proc = trainer(tmp_path, small_corpus, workdir)
@@ -93,6 +94,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(small_corpus, referenc
   assert got == want, "resumed per-step losses differ from the uninterrupted run"
 
 
+@pytest.mark.slow
 def test_on_gcs_sigkill_then_resume_matches_an_uninterrupted_run(small_corpus, reference, tmp_path, gs_dir):
   """The same on a gs:// workdir (the GCS emulator): orbax's arrays through tensorstore, the rest
   through gcsfs; the killed job's lease on the workdir lapses after 1 s."""
@@ -126,6 +128,7 @@ def stop_with(signum: int, tmp_path, corpus, workdir) -> int:
   return saved
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(small_corpus, reference, tmp_path):
   workdir = tmp_path / "run"
   saved = stop_with(signal.SIGTERM, tmp_path, small_corpus, workdir)
@@ -135,6 +138,7 @@ def test_sigterm_saves_and_exits_cleanly(small_corpus, reference, tmp_path):
   assert losses(workdir) == losses(reference)
 
 
+@pytest.mark.slow
 def test_an_interrupted_write_is_never_resumed(small_corpus, reference, tmp_path, capsys):
   workdir = tmp_path / "run"
   shutil.copytree(reference, workdir)
@@ -217,6 +221,7 @@ def test_a_run_saved_before_later_fields_existed_still_resumes(small_corpus, ref
   assert checkpointing.load(str(workdir))[1]["embed"].shape == (320, 32)
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_without_saving(small_corpus, tmp_path):
   c = small_config(small_corpus)
   c.train.update(lr=1e30, grad_clip=1e30, steps=10, log_every_steps=1)
@@ -227,6 +232,7 @@ def test_non_finite_loss_stops_without_saving(small_corpus, tmp_path):
     assert_finite(checkpointing.load(str(tmp_path), step)[1])
 
 
+@pytest.mark.slow
 def test_skip_mode_keeps_training(small_corpus, tmp_path, capsys):
   c = small_config(small_corpus)
   c.train.update(lr=1e30, grad_clip=1e30, steps=6, log_every_steps=1, on_nonfinite="skip")
@@ -260,6 +266,7 @@ def test_load_gives_the_config_and_parameters(small_corpus, reference, monkeypat
     checkpointing.load(str(reference), step=7)
 
 
+@pytest.mark.slow
 def test_a_relative_workdir_checkpoints_and_loads(small_corpus, tmp_path, monkeypatch):
   """orbax's async commit rejects relative paths; `--workdir=runs/x` is what users type."""
   monkeypatch.chdir(tmp_path)
@@ -270,6 +277,7 @@ def test_a_relative_workdir_checkpoints_and_loads(small_corpus, tmp_path, monkey
   assert checkpointing.saved_config("runs/relative")[0] == 4
 
 
+@pytest.mark.slow
 def test_a_non_finite_stop_finishes_the_save_in_flight(small_corpus, tmp_path):
   """The stop comes while the asynchronous save of the step before is being written."""
   c = small_config(small_corpus)
@@ -286,6 +294,7 @@ def test_a_non_finite_stop_finishes_the_save_in_flight(small_corpus, tmp_path):
   assert_finite(checkpointing.load(str(tmp_path), named)[1])
 
 
+@pytest.mark.slow
 def test_sigint_saves_and_exits_130(small_corpus, reference, tmp_path):
   """Ctrl-C saves as SIGTERM does; 130 tells a calling script that the run did not finish."""
   workdir = tmp_path / "run"
@@ -293,6 +302,7 @@ def test_sigint_saves_and_exits_130(small_corpus, reference, tmp_path):
   assert losses(workdir) == {s: l for s, l in losses(reference).items() if s <= saved}
 
 
+@pytest.mark.slow
 def test_resuming_in_more_microbatches_continues_the_same_run(small_corpus, reference, tmp_path):
   """The out-of-memory message's first fix, raising train.microbatches, applies to a run that has
   checkpoints: the resumed steps compute what the uninterrupted run computed (up to the order of a
@@ -376,6 +386,7 @@ def test_a_damaged_latest_checkpoint_is_named_in_one_message(small_corpus, refer
   assert (workdir / "checkpoints" / "30").exists()  # nothing moved without the flag
 
 
+@pytest.mark.slow
 def test_skip_damaged_resumes_from_the_step_before(small_corpus, reference, tmp_path, capsys):
   workdir = tmp_path / "run"
   shutil.copytree(reference, workdir)
@@ -415,6 +426,7 @@ storage.write_bytes = _full
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_naming_the_saved_step(small_corpus, tmp_path):
   """A file system with room for the first checkpoint but not the second: one line names the cause,
   the file system, the latest checkpoint (which exists) and the fix."""
@@ -461,6 +473,7 @@ storage.write_bytes = _full
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_the_start_of_a_resume_names_the_latest_checkpoint(small_corpus, tmp_path):
   """A disk that filled up after the last checkpoint: the rerun's first write (the workdir's lock,
   config.json) fails before training, and its line still names the checkpoint it would resume from."""
@@ -565,6 +578,7 @@ checkpointing.saved_config = _saved_config
 """
 
 
+@pytest.mark.slow
 def test_writes_of_a_failed_save_that_end_late_print_nothing(small_corpus, tmp_path):
   """On a loaded host the writes a full disk cut short ended after orbax had closed their event
   loop, and each printed asyncio's "Event loop is closed" traceback above lm-train's one line."""
@@ -622,6 +636,7 @@ checkpointing.saved_config = _saved_config
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("late", ["event loop", "orbax coroutines"])
 def test_reads_of_a_failed_restore_that_end_late_print_nothing(tmp_path, late):
   """The same for the reading tools: lm-evaluate on a damaged checkpoint printed them too, and orbax's

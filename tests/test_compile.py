@@ -39,6 +39,7 @@ def lm_compile(*argv: str) -> subprocess.CompletedProcess:
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["softmax", "hyla"])
 def test_compiles_c4_50m_for_v5e_4x4(preset):
   result = lm_compile("--topology=v5e:4x4", f"--config.model.attention={preset}", *SMALL, "--json")
@@ -141,6 +142,7 @@ def test_compiles_c4_50m_for_v5e_4x4(preset):
     assert shown in compile_lib.format_report({**r, "optimal_seconds": seconds}).splitlines()[12]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dumps unreadable", "flash attention"])
 def test_kernels_the_compiler_cannot_schedule_leave_the_rest_of_the_report(case, monkeypatch):
   """When the attention's kernels cannot be timed (splash's, when the dump reader fails; flash
@@ -205,6 +207,7 @@ def test_per_operation_time_reads_the_compiled_hlo():
   assert parts["unpriced_kernels"] == ["splash_mha_fwd.3"]
 
 
+@pytest.mark.slow
 def test_text_report_and_does_not_fit():
   """32768 rows (2048 per chip) need ~28 GiB of temporaries: the compiler stops at once, exit 1."""
   result = lm_compile("--topology=v5e:4x4", "--config.model.L=1", "--config.train.batch_size=32768")
@@ -223,6 +226,7 @@ def test_text_report_and_does_not_fit():
   assert "recompute z instead of keeping it" in compile_lib.format_report(r).splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology, message", [
     ("v5e:3x3", "libtpu rejects topology 'v5e:3x3' (INVALID_ARGUMENT: Topology layout"),
     ("tpu7", "unknown topology 'tpu7'"),
@@ -234,6 +238,7 @@ def test_unknown_topology(topology, message):
   assert "choose one of: v5e:{2x2,2x4,4x4,4x8,8x8,8x16,16x16}; v5p:{2x2x1," in result.stderr
 
 
+@pytest.mark.slow
 def test_the_compiler_counts_what_the_kernels_declare(monkeypatch):
   """lm-compile takes the kernels' declared FLOPs and bytes out of the compiler's count before adding
   the kernels' own time: that count holds them exactly once (here declaring twice the bytes adds the
@@ -279,6 +284,7 @@ def test_kernel_schedule_counts_a_loop_inside_a_grid_step_per_trip(tmp_path):
     kernel_schedule.bundles(str(tmp_path), "k")
 
 
+@pytest.mark.slow
 def test_kernel_schedule_of_splash_kernels():
   """Softmax's splash kernels, timed the same way (here with packed documents' segment ids): at 1,024
   tokens in blocks of 512, each head and row computes 3 of the 4 block pairs causally (the fourth grid
@@ -297,6 +303,7 @@ def test_kernel_schedule_of_splash_kernels():
                              head_dim=64, dtype="bfloat16", causal=True, segments=True, topology="v5e:2x2")
 
 
+@pytest.mark.slow
 def test_kernel_schedule_of_cross_entropy_kernels():
   """The readout cross-entropy's kernels, timed the same way: 4,096 tokens of a [128, 5,120] readout in
   vocabulary blocks of 2,560 words, the forward kernel in blocks of 1,024 tokens as it writes the logits
@@ -330,6 +337,7 @@ def test_kernel_schedule_of_cross_entropy_kernels():
     assert k["units"]["MXU"]["used"] > 0
 
 
+@pytest.mark.slow
 def test_kernel_schedules_take_each_chips_share_of_rows_and_heads(monkeypatch):
   """lm-compile times the kernels on one chip's share: rows split over the batch axes, and heads over
   the tensor axis for the kernels that split them (splash's, linear attention's), not for HYLA's,
@@ -352,6 +360,7 @@ def test_kernel_schedules_take_each_chips_share_of_rows_and_heads(monkeypatch):
   }
 
 
+@pytest.mark.slow
 def test_kernel_schedule_of_linear_kernels():
   """Linear attention's kernels, timed the same way: at 1,024 tokens in blocks of 512, each head and row
   computes 3 of the 4 tiles causally; each kernel declares the FLOPs and bytes of kernel_costs, and its
@@ -430,6 +439,7 @@ def _loop_carry_scatters(hlo: str) -> list[set[str]]:
   return found
 
 
+@pytest.mark.slow
 def test_microbatch_loop_sums_the_embedding_gradient_on_every_device(v5e_2x2):
   """With microbatches, the embedding's gradient (a scatter) is accumulated in the loop; on a
   multi-chip mesh SPMD zeroes the accumulated value on all but one device of the data group before

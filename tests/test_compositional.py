@@ -79,6 +79,7 @@ def test_wrong_model_for_the_task_names_the_fix():
 
 
 # Every preset's math is covered by tests/test_train.py; here the paper's three, single-head, on SRAVEN.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["softmax", "linear", "hyla"])
 def test_single_head_models_train_on_sraven(name):
   exp = Experiment(tiny(sraven_config, attention=name, H=1))
@@ -91,6 +92,7 @@ def test_single_head_models_train_on_sraven(name):
   assert np.all(np.isfinite(losses)), losses
 
 
+@pytest.mark.slow
 def test_microbatches_with_attention_dropout_train_what_one_batch_does():
   """configs/sraven.py splits its batch in parts for the CPU's caches: with attention dropout (one mask
   per step, shared over the batch) the parts must give the same step as the whole batch."""
@@ -110,6 +112,7 @@ def test_microbatches_with_attention_dropout_train_what_one_batch_does():
   assert runs[1, 0.0][0] != pytest.approx(runs[1, 0.3][0], rel=1e-3)  # the dropout is there to share
 
 
+@pytest.mark.slow
 def test_sraven_end_to_end_with_latent_codes(tmp_path):
   final = train.train_and_evaluate(tiny(sraven_config, attention="hyla"), str(tmp_path))
   assert set(final) == {"test", "ood"} and final["ood"]["examples"] == 32  # eval.final_batches
@@ -123,6 +126,7 @@ def test_sraven_end_to_end_with_latent_codes(tmp_path):
   assert (tmp_path / "latent_embedding.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_lm_latent_on_a_language_model_run_is_a_clear_error(tmp_path):
   cmd = [sys.executable, "-m", "eval.latent", f"--workdir={tmp_path}"]
   result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -138,6 +142,7 @@ def test_ridge_r2_of_the_paper_code_protocol():
   assert latent.ridge_r2(x_nf, y_nt) == pytest.approx(0.5, abs=0.03)
 
 
+@pytest.mark.slow
 def test_fuzzy_paper_code_protocol_uses_one_query_point_and_all_layers():
   c = tiny(fuzzy_config)
   exp = Experiment(c)

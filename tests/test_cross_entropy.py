@@ -41,6 +41,7 @@ def test_token_nll_is_log_softmax_at_the_target():
   np.testing.assert_allclose(cross_entropy.token_nll(logits, targets), want, rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["pallas", "pallas_keep_logits"])
 @pytest.mark.parametrize("scale,chunks", [(1.0, 1), (0.125, 4)])
 def test_kernels_equal_the_plain_form_in_float32(impl, scale, chunks, monkeypatch):
@@ -57,6 +58,7 @@ def test_kernels_equal_the_plain_form_in_float32(impl, scale, chunks, monkeypatc
   np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", [1.0, 0.125])
 @pytest.mark.parametrize("tokens", [2048, 700])
 def test_the_fused_form_equals_the_plain_form(scale, tokens):
@@ -150,6 +152,7 @@ def test_auto_takes_the_fused_form_on_gpu_as_on_cpu():
   assert "custom_vjp_call" in {e.primitive.name for e in fused.eqns}
 
 
+@pytest.mark.slow
 def test_kernels_and_the_fused_form_under_a_mesh_sum_the_readouts_gradient_over_devices():
   """Four CPU devices, rows sharded over `data`: each device's kernels (or fused pass) see their rows
   only, and w's gradient is the sum over devices (shard_map's transpose), equal to the unsharded one."""
@@ -176,6 +179,7 @@ def test_kernels_and_the_fused_form_under_a_mesh_sum_the_readouts_gradient_over_
   assert result.stdout.strip().endswith("equal"), result.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows,D,keep", [(8, 256, False), (32, 1024, True)])
 def test_auto_compiles_the_kernels_for_tpu(v5e_2x2, rows, D, keep, monkeypatch):
   """Under impl auto, a step lowered for a v5e mesh (rows sharded over 4 chips) runs the forward and the

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from small import xla_flags
 
 from lm.runtime import run_log
@@ -19,6 +20,7 @@ def _env(devices: int) -> dict:
   return {**os.environ, "PYTHONPATH": HERE, "XLA_FLAGS": xla_flags(devices)}
 
 
+@pytest.mark.slow
 def test_meshes_and_microbatches_give_the_same_losses(small_corpus):
   result = subprocess.run(
       [sys.executable, os.path.join(HERE, "scripts", "mesh_losses.py"),
@@ -80,6 +82,7 @@ def _child(launcher: subprocess.Popen, process_id: int) -> int:
   raise AssertionError(f"no process {process_id}")
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_restart_exactly_after_sigkill(small_corpus, tmp_path):
   config = tmp_path / "multi.py"
   config.write_text(MULTI_CONFIG.format(corpus=str(small_corpus)))
@@ -130,6 +133,7 @@ def test_two_processes_match_one_and_restart_exactly_after_sigkill(small_corpus,
   assert _losses(killed) == got
 
 
+@pytest.mark.slow
 def test_sigterm_stops_both_processes_at_the_same_step(small_corpus, tmp_path):
   config = tmp_path / "multi.py"
   config.write_text(

@@ -60,6 +60,7 @@ def hand_nll(workdir) -> tuple[float, int, int, dict[int, list[float]]]:
   return total, count, padded, by_bucket
 
 
+@pytest.mark.slow
 def test_eval_matches_a_hand_computed_token_weighted_loss(trained):
   result = evaluate.evaluate(str(trained))
   total, count, padded, by_bucket = hand_nll(trained)
@@ -85,6 +86,7 @@ def test_eval_matches_a_hand_computed_token_weighted_loss(trained):
   assert final["loss"] == pytest.approx(result["loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [1, 24])
 def test_padding_never_counts(trained, batch_size):
   """Other eval batch sizes pad a different number of rows: the metrics stay the same."""
@@ -98,6 +100,7 @@ def test_padding_never_counts(trained, batch_size):
   assert result["loss"] == pytest.approx(reference["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_without_a_checkpoint_names_the_problem(tmp_path):
   result = subprocess.run([sys.executable, "-m", "eval.evaluate", f"--workdir={tmp_path}"],
                           capture_output=True, text=True, timeout=120)
@@ -216,6 +219,7 @@ def test_compare_flops_wall_clock_and_seed_bands(tmp_path):
   assert out.read_bytes()[:4] == b"\x89PNG" and compare.positions_path(str(out)).exists()
 
 
+@pytest.mark.slow
 def test_compare_names_a_run_without_evaluation(tmp_path):
   writer = metrics.Writer(str(tmp_path / "fresh"))
   writer.write(5, "train", {"loss": 3.0, "tokens_seen": 500})
@@ -235,6 +239,7 @@ def test_compare_names_a_run_without_evaluation(tmp_path):
   assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.slow
 def test_a_read_only_workdir_is_one_line_and_eval_prints_its_metrics_first(small_corpus, trained, tmp_path):
   """lm-evaluate computes the metrics, prints them, then fails to write them: the line names the file
   and why. lm-train on the same workdir stops before anything is computed."""
@@ -292,6 +297,7 @@ def test_compare_writes_into_a_directory_that_does_not_exist(tmp_path):
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "tables" / "t.md").exists()
 
 
+@pytest.mark.slow
 def test_compare_out_below_a_file_is_one_line(tmp_path):
   """`--out=notes.txt/cmp.png`: the directory it needs is a file ('File exists' was all it said)."""
   write_run(tmp_path / "a", "softmax", {10: 40.0})
@@ -307,6 +313,7 @@ def test_compare_out_below_a_file_is_one_line(tmp_path):
       r"or choose another path\n", result.stderr), result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, args, message", [
     ("eval.evaluate", [], "lm-evaluate: no checkpoint in {w}/checkpoints: {w} is a file; --workdir must "
      "name the directory that lm-train --workdir wrote"),
@@ -328,6 +335,7 @@ def test_a_workdir_that_is_a_file_is_named_by_the_reading_tools(tmp_path, module
   assert result.stderr == message.format(w=workdir) + "\n"
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_one_line_naming_the_step_and_the_fix(trained, tmp_path):
   """lm-evaluate (lm-sample and lm-latent read it the same way) printed TensorStore's whole error."""
   workdir = tmp_path / "run"

@@ -33,6 +33,7 @@ def get_config():
 """
 
 
+@pytest.mark.slow
 def test_prepare_from_a_bucket_then_train_evaluate_and_compare_there(gs_dir, tmp_path):
   from conftest import make_documents
   raw, data = epath.Path(gs_dir) / "raw", epath.Path(gs_dir) / "data"
@@ -95,6 +96,7 @@ def get_config():
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("refused", ["owner.json", "config.json", "checkpoints"])
 def test_a_bucket_that_refuses_writes_is_one_line(small_corpus, gcs, gs_dir, tmp_path, refused):
   """GCS refusing the job's writes (HTTP 403: its account may not write there) is one line naming

@@ -316,6 +316,7 @@ def run(cmd, **kw):
                         timeout=600, **kw)
 
 
+@pytest.mark.slow
 def test_lm_grid_space_overrides_resume_and_summary(small_corpus, tmp_path):
   """Issue 19 item 3: with `--config.model.D 48` the 'linear' run trained softmax. Old flag names
   """
@@ -349,6 +350,7 @@ def test_lm_grid_space_overrides_resume_and_summary(small_corpus, tmp_path):
   assert (root / "linear_seed0" / "point.json").exists()
 
 
+@pytest.mark.slow
 def test_fuzzy_logic_grid_reports_ood_r2_and_latent_decoding(tmp_path):
   cmd = [
       "--config=configs/fuzzy_logic.py", f"--root={tmp_path}", "--presets=hyla", "--seeds=0",

@@ -196,6 +196,7 @@ run()
 """
 
 
+@pytest.mark.slow
 def test_the_command_scores_tiny_local_tasks_offline_without_torch(trained, tmp_path):
   data = write_tasks(tmp_path)
   hf_home = tmp_path / "hf_home"  # an empty Hugging Face cache: nothing can come from one
@@ -264,6 +265,7 @@ def test_our_lm_evaluate_and_the_harness_cli_both_run():
     assert "--tasks" in help_text, name
 
 
+@pytest.mark.slow
 def test_two_processes_score_as_one(trained, tmp_path):
   """Process 0 runs the harness, process 1 follows its broadcast steps (scoring and decoding): the
   same item scores as one process."""
@@ -337,6 +339,7 @@ def fake_rows(dataset_path: str, rng) -> list[dict]:
   return [make() for _ in range(3)]
 
 
+@pytest.mark.slow
 def test_the_standard_seven_download_and_run_from_local_files(trained, tmp_path, monkeypatch):
   """lm-harness-download for the seven standard tasks (the hub replaced by rows in each dataset's
   schema), then lm-harness on them with the library's own prompts and metrics, offline."""

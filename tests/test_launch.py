@@ -250,6 +250,7 @@ print(f"processes={jax.process_count()} devices={jax.device_count()} sum={ids.su
 """
 
 
+@pytest.mark.slow
 def test_processes_form_one_distributed_jax_run(tmp_path):
   script = tmp_path / "distributed.py"
   script.write_text(DISTRIBUTED)
@@ -325,6 +326,7 @@ def test_processes_forward_sigterm(tmp_path):
   assert (tmp_path / "term0").exists() and (tmp_path / "term1").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,expected", [("lm-train", ("--config", "--workdir")),
                                              ("lm-evaluate", ("--workdir", "--step"))])
 def test_console_script_help_lists_its_flags(script, expected):

@@ -31,6 +31,7 @@ def dry_run(capsys, *argv: str) -> tuple[str, dict, list[str]]:
   return header, yaml.safe_load("\n".join(lines[:cut])), lines[cut:]
 
 
+@pytest.mark.slow
 def test_dry_run_prints_a_task_that_skypilot_parses(capsys):
   import sky  # pylint: disable=import-outside-toplevel
   header, config, commands = dry_run(capsys, "--spot", "--max-restarts-on-errors=5", "--name=c4-hyla")

@@ -36,6 +36,7 @@ def _output_and_grads(model, params, tokens_bt):
   return out, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(attention.PRESETS))
 def test_every_preset_is_causal_end_to_end(name):
   m, params, tokens_bt = _model(attention=name)
@@ -47,6 +48,7 @@ def test_every_preset_is_causal_end_to_end(name):
   assert not np.allclose(logits[:, t + 1:], logits2[:, t + 1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("positions", model_lib.POSITIONS)
 def test_packed_documents_do_not_see_each_other(positions):
   m, params, tokens_bt = _model(attention="hyla", positions=positions)
@@ -83,6 +85,7 @@ def test_tied_embeddings_drop_the_output_matrix():
   assert untied - tied == 32 * 50
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_readout_forms_the_models_logits(tied):
   """What the language-modelling loss gets instead of logits (return_readout) forms the same logits,
@@ -96,6 +99,7 @@ def test_the_readout_forms_the_models_logits(tied):
                                 cross_entropy.token_nll(logits, tokens))
 
 
+@pytest.mark.slow
 def test_latent_codes_are_the_normalised_scores_and_do_not_change_outputs():
   m, params, tokens_bt = _model(attention="hyla", L=3)
   plain = m.apply({"params": params}, tokens_bt)
@@ -111,6 +115,7 @@ def test_latent_codes_are_the_normalised_scores_and_do_not_change_outputs():
   assert np.all(np.asarray(codes[1])[:, :, ~causal] == 0)
 
 
+@pytest.mark.slow
 def test_bidirectional_model_sees_the_future():
   m, params, tokens_bt = _model(causal=False, positions="relative_bias")
   logits = m.apply({"params": params}, tokens_bt)
@@ -138,6 +143,7 @@ def test_rotary_preserves_norms_and_depends_on_relative_offset():
   assert dot(3, 1) == pytest.approx(dot(12, 10), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_rotary_in_bfloat16_stays_within_its_rounding_of_the_float32_rotation():
   # bfloat16 inputs rotate in bfloat16 (sines rounded, products rounded): a few of its units in the last
   # place of the vector's size from the float32 rotation of the same values, never more.
@@ -150,6 +156,7 @@ def test_rotary_in_bfloat16_stays_within_its_rounding_of_the_float32_rotation():
   assert 2**-12 < float(jnp.max(err)) < 2**-8
 
 
+@pytest.mark.slow
 def test_rope_by_product_rotates_as_rotary_does():
   # The partner product is rotate_half(x w) as a column permutation: the same function and gradients,
   # projection biases included (perturbed from their zero initialisation so their partners count).
@@ -166,6 +173,7 @@ def test_rope_by_product_rotates_as_rotary_does():
                ref_grads)
 
 
+@pytest.mark.slow
 def test_remat_and_bfloat16_keep_the_function():
   m, params, tokens_bt = _model(attention="hyla")
   ref, ref_grads = _output_and_grads(m, params, tokens_bt)
@@ -191,6 +199,7 @@ _ROUNDING_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(_ROUNDING_CASES))
 def test_parameters_rounded_before_use_change_no_number(case):
   """What `rounding.rounded_before_use` reads off the model as used once, rounded, rounded to bfloat16
@@ -231,6 +240,7 @@ def test_parameters_rounded_before_use_change_no_number(case):
     assert any(differs(e[w], r[w]) for e, r in attn_grads for w in ("wq", "wk"))
 
 
+@pytest.mark.slow
 def test_remat_mlp_keeps_no_hidden_for_the_backward_pass(capsys):
   """remat="mlp" saves the MLP's input, not its [B, T, F] hidden (F = 96 is no other dimension here)."""
   saved = {}
@@ -246,6 +256,7 @@ def test_remat_names_what_it_recomputes():
     model_lib.ModelConfig(V=50, remat="mpl")
 
 
+@pytest.mark.slow
 def test_hybrid_layers_compute_what_their_presets_compute():
   """"softmax,hyla" over 2 layers: layer 0 a softmax layer, layer 1 a HYLA layer."""
   assert model_lib.layer_presets("hyla,softmax", 6) == ("hyla", "softmax") * 3
@@ -314,6 +325,7 @@ def _matmul_flops(jaxpr) -> int:
   return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["softmax", "hyla"])
 def test_flops_of_a_model_that_reads_the_last_positions(preset):
   """What flops_per_token takes off for readout_last is what the trimmed forward pass stops
@@ -350,6 +362,7 @@ def test_checkpoint_compatibility_compares_layers():
     checkpointing.check_compatible(saved, {"model": {"attention": "softmax,hyla", "L": 4}})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kw", [
     ("softmax",
      dict(causal=False, positions="relative_bias", relative_bias_per_layer=True, relative_bidirectional=False,
@@ -414,6 +427,7 @@ def test_bfloat16_products_round_the_operands_and_nothing_else():
   assert all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
 
 
+@pytest.mark.slow
 def test_bfloat16_products_stay_closer_to_float32_than_bfloat16_compute():
   """Rounding only the products' operands: outputs and every parameter's gradient are nearer the
   float32 model's than those of model.dtype="bfloat16" (which rounds everything), and float32."""

@@ -156,6 +156,7 @@ def test_training_batches_resume_exactly_and_shards_split_the_stream():
   assert {r.tobytes() for r in halves} == {r.tobytes() for r in batches[0]["inputs"]}
 
 
+@pytest.mark.slow
 def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path):
   """A run that lost its last checkpoint resumes from step 3 (model, optimiser and data iterator) and
   ends where the uninterrupted run ended."""
@@ -169,6 +170,7 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path):
   assert resumed["test"]["queries"] == 20 * 4
 
 
+@pytest.mark.slow
 def test_every_main_variant_trains_through_lm_train(tmp_path):
   c = tiny(attention="softmax,linear,hyla,gla", L=4)
   args = [

@@ -33,6 +33,7 @@ def names_owner(output: str, owner) -> bool:
       rf"{owner.pid}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC", output) is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["local", "gs"])
 def test_one_job_per_workdir_and_a_dead_owner_is_replaced(small_corpus, tmp_path, where, request):
   workdir = tmp_path / "run" if where == "local" else request.getfixturevalue("gs_dir")

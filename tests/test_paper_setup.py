@@ -167,6 +167,7 @@ def test_one_sided_buckets_as_the_paper_code_builds_them():
   assert back[21] == 22 and back[31] == back[32] == 32 and back[35] == 35
 
 
+@pytest.mark.slow
 def test_per_layer_bias_tables():
   cfg = model_lib.ModelConfig(V=8, D=8, H=2, L=3, F=8, input_dim=8, causal=False, positions="relative_bias",
                               relative_buckets=6, relative_max_distance=6, relative_bidirectional=False,
@@ -187,6 +188,7 @@ def test_per_layer_bias_tables():
     model_lib.ModelConfig(V=8, positions="relative_bias", relative_buckets=36, relative_max_distance=20)
 
 
+@pytest.mark.slow
 def test_the_paper_codes_parametrisation_as_options():
   """projection_bias, residual_init="fan_in" and relative_bias_std set the paper code's biases and initial
   scales (measured in its fuzzy-logic model: output weights 0.25, MLP output 0.062, bias tables 0.18);

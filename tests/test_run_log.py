@@ -49,6 +49,7 @@ def test_no_log_names_the_fix(tmp_path):
     run_log.read(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_crash_loses_at_most_the_last_seconds(tmp_path):
   script = f"""
 import os, signal, time

@@ -57,6 +57,7 @@ def incremental(cfg, params, tokens_bt, prompt_len):
 EVERY_PRESET = ",".join(attention.PRESETS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention_field,positions,prompt_len",
                          [(EVERY_PRESET, "rotary", 1), ("softmax,linear,hyla", "relative_bias", PROMPT),
                           ("linear,hyla,gla", "learned", PROMPT)])
@@ -96,6 +97,7 @@ def hybrid():
   return cfg, init(cfg)[1]
 
 
+@pytest.mark.slow
 def test_greedy_is_deterministic_and_seeds_reproduce(hybrid):
   cfg, params = hybrid
   prompt = np.array([3, 1, 4, 1, 5])
@@ -150,6 +152,7 @@ def test_bidirectional_checkpoints_do_not_sample():
     decode.Decoder(tiny("hyla", causal=False), T)
 
 
+@pytest.mark.slow
 def test_lm_sample_on_a_trained_hybrid(small_corpus, tmp_path):
   c = small_config(small_corpus, attention="hyla,softmax")
   c.train.update(steps=4, log_every_steps=2)
@@ -168,6 +171,7 @@ def test_lm_sample_on_a_trained_hybrid(small_corpus, tmp_path):
     eval_sample.sample(str(tmp_path), "the quick brown fox " * 20, sampling=decode.Sampling())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["missing.txt", ".", "binary.bin"])
 def test_a_prompt_file_that_cannot_be_read_is_one_line(tmp_path, name):
   """A directory given as --prompt_file was a traceback (IsADirectoryError), a binary file too

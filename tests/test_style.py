@@ -4,10 +4,13 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = ("lm", "eval", "launch", "data_pipelines", "configs", "tests", "benchmarks")
 
 
+@pytest.mark.slow
 def test_yapf_leaves_every_file_as_it_is():
   result = subprocess.run([sys.executable, "-m", "yapf", "--diff", "--recursive", "--parallel", *SOURCES],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -43,6 +43,7 @@ def test_training_lowers_validation_loss_and_logs(small_corpus, tmp_path, capsys
   assert jax.config.jax_compilation_cache_dir == cache != c.compilation_cache  # the run's is its own
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(attention.PRESETS))
 def test_every_preset_trains(small_corpus, name):
   c = small_config(small_corpus, attention=name)
@@ -57,6 +58,7 @@ def test_every_preset_trains(small_corpus, name):
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
+@pytest.mark.slow
 def test_a_cpu_run_prints_no_libtpu_lines(small_corpus, tmp_path):
   """libtpu is installed for lm-compile; on a CPU host lm-train must not load it (it prints an
   error-looking trace). ALLOW_MULTIPLE_LIBTPU_LOAD: the trace shows even when another process holds
@@ -78,6 +80,7 @@ def test_a_cpu_run_prints_no_libtpu_lines(small_corpus, tmp_path):
   assert not noise, "\n".join(noise)
 
 
+@pytest.mark.slow
 def test_bad_attention_name_stops_before_training(tmp_path):
   cmd = [
       sys.executable, "-m", "lm.train", "--config=configs/tiny.py", f"--workdir={tmp_path}",
@@ -110,6 +113,7 @@ def fixed_batch(V: int, B: int, T: int) -> dict[str, np.ndarray]:
   })
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(GOLDEN_FIRST_STEP))
 def test_first_step_matches_the_golden_values(name):
   c = tiny.get_config()
@@ -128,6 +132,7 @@ def test_first_step_matches_the_golden_values(name):
           "floating-point summation order (another jax version or kernel)."))
 
 
+@pytest.mark.slow
 def test_a_split_state_steps_as_the_whole_state_does_over_microbatches():
   """mesh.shard_state_over_data gathers the parameters that a bfloat16 model only uses rounded already
   rounded, so their gradients arrive in bfloat16; over 4 microbatches they still add up in float32, as
@@ -208,6 +213,7 @@ def test_compositional_configs_pass_the_checks():
     experiment.check_counts(module.get_config())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "override",
     ["--config.checkpoint.keep=0", "--config.watchdog.step_secs=-1", "--config.train.microbatches=3"])
@@ -250,6 +256,7 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
   assert jax.config.jax_compilation_cache_dir == cache  # not left pointing into the file
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [(["--config=configs/nope.py"
@@ -268,6 +275,7 @@ def test_config_mistakes_are_one_line(tmp_path, args, message):
   assert result.stderr == f"train.py: {message}\n"
 
 
+@pytest.mark.slow
 def test_an_empty_workdir_is_refused_and_nothing_is_written(tmp_path):
   """`--workdir=` (a variable that was not set) used to train into the current directory."""
   config = os.path.abspath("configs/tiny.py")
@@ -277,6 +285,7 @@ def test_an_empty_workdir_is_refused_and_nothing_is_written(tmp_path):
   assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code, error", [
     ("def get_config(:\n", "line 1: SyntaxError: invalid syntax"),
     ("def get_config():\n  raise ValueError('set DATA_DIR first')\n",
@@ -327,6 +336,7 @@ def test_an_unknown_cross_entropy_impl_fails_when_the_experiment_is_built():
     Experiment(c)
 
 
+@pytest.mark.slow
 def test_the_cpu_library_fusion_reaches_the_compiled_steps_and_changes_no_number():
   """configs/base.py hands element-wise work and reductions to YNNPACK on CPU: the train step compiled
   with it writes far fewer element-wise results in a transposed layout (XLA's `copy_bitcast` fusions,
@@ -352,6 +362,7 @@ def test_the_cpu_library_fusion_reaches_the_compiled_steps_and_changes_no_number
   }
 
 
+@pytest.mark.slow
 def test_cpu_devices_split_the_host_and_a_run_resumes_on_another_count(small_corpus, tmp_path):
   """config.cpu_devices makes the CPU that many devices, which the mesh's data axis takes; a run saved on
   2 resumes on 4, given by XLA_FLAGS, whose forced count wins over the config's, and with its state now

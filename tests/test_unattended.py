@@ -104,6 +104,7 @@ def wandb_history(run_file: str) -> list[dict]:
   return rows
 
 
+@pytest.mark.slow
 def test_wandb_gets_every_number_and_a_restart_continues_the_run(tmp_path):
   cfg = ml_collections.ConfigDict({**WANDB.to_dict(), "wandb_dir": str(tmp_path)})
   workdir = epath.Path(tmp_path / "run")
@@ -138,6 +139,7 @@ def test_wandb_without_the_extra_names_it(monkeypatch, tmp_path):
     wandb_log.Tee(RunLog(), WANDB, epath.Path(tmp_path), {})
 
 
+@pytest.mark.slow
 def test_optional_extras_are_not_imported_unless_used():
   code = ("import sys, lm.train, launch.cli, eval.goodput; "
           "print(sorted(m for m in ('wandb', 'sky') if m in sys.modules))")

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from eval import compare, goodput as goodput_cli
 from lm.runtime import goodput, watchdog
 
@@ -16,6 +18,7 @@ HERE = os.path.dirname(__file__)
 HANGING_CONFIG = """
 import os
 import threading
+import pytest
 
 from lm import experiment
 from small import small_config
@@ -43,6 +46,7 @@ def get_config():
 """
 
 
+@pytest.mark.slow
 def test_a_hung_step_dumps_every_stack_and_the_job_restarts(small_corpus, tmp_path):
   config = tmp_path / "hanging.py"
   config.write_text(HANGING_CONFIG.format(corpus=str(small_corpus), marker=str(tmp_path / "hung")))
