@@ -314,10 +314,7 @@ def main(argv):
   except ValueError as e:
     raise SystemExit(f"lm-train: {e}") from None
   watchdog.start(FLAGS.config.watchdog)  # First: joining the other processes can hang too.
-  if FLAGS.jax_distributed:
-    jax.distributed.initialize()
-  elif FLAGS.coordinator_address:
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  cli.join_distributed()
   absl_logging.get_absl_handler().addFilter(_silence_refused_writes)
   try:
     with ownership.hold(FLAGS.workdir, FLAGS.lease_seconds):
@@ -342,12 +339,7 @@ def run():
   flags.DEFINE_float(
       "lease_seconds", 60, "On gs://, how long a job that died keeps the workdir "
       "(lm/runtime/ownership.py); local workdirs are released at once.")
-  flags.DEFINE_bool(
-      "jax_distributed", False, "Call jax.distributed.initialize() with no arguments "
-      "(TPU VM slices, where the environment describes the job).")
-  flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
-  flags.DEFINE_integer("num_processes", None, "Processes in the job.")
-  flags.DEFINE_integer("process_id", None, "This process's index.")
+  cli.define_distributed_flags()
   flags.mark_flags_as_required(["config", "workdir"])
   cli.run(main, __name__)
 

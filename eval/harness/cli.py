@@ -120,10 +120,7 @@ def write(path: str | epath.Path, result: dict) -> None:
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
-  if FLAGS.jax_distributed:
-    jax.distributed.initialize()
-  elif FLAGS.coordinator_address:
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  cli.join_distributed()
   try:
     result = harness(FLAGS.workdir, FLAGS.tasks, step=FLAGS.step, data_dir=FLAGS.data_dir,
                      num_fewshot=FLAGS.num_fewshot, limit=FLAGS.limit, batch_size=FLAGS.batch_size,
@@ -161,12 +158,7 @@ def run():
       "metrics (perplexities); 0: none.")
   flags.DEFINE_string("output", None, "JSON file for the results; default: WORKDIR/harness/step_S.json.")
   # Several hosts (as lm-train): process 0 runs the harness, the others follow its steps.
-  flags.DEFINE_bool(
-      "jax_distributed", False, "Call jax.distributed.initialize() with no arguments "
-      "(TPU VM slices, where the environment describes the job).")
-  flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
-  flags.DEFINE_integer("num_processes", None, "Processes in the job.")
-  flags.DEFINE_integer("process_id", None, "This process's index.")
+  cli.define_distributed_flags()
   flags.mark_flags_as_required(["workdir", "tasks"])
   cli.run(main, __name__)
 

@@ -135,6 +135,30 @@ def _wrong_value(message: str) -> str:
   return line
 
 
+# The flags defined here belong to the command that asks for them (absl attributes them to the caller).
+flags.disclaim_key_flags()
+
+
+def define_distributed_flags() -> None:
+  """The flags that join a job of several processes (lm-train, lm-harness), listed by `--help` as the
+  calling command's own (this module disclaims the flags it defines); `join_distributed` reads them."""
+  flags.DEFINE_bool(
+      "jax_distributed", False, "Call jax.distributed.initialize() with no arguments "
+      "(TPU VM slices, where the environment describes the job).")
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+  flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+  flags.DEFINE_integer("process_id", None, "This process's index.")
+
+
+def join_distributed() -> None:
+  """jax.distributed.initialize as the flags of `define_distributed_flags` say (nothing without them)."""
+  f = flags.FLAGS
+  if f.jax_distributed:
+    jax.distributed.initialize()
+  elif f.coordinator_address:
+    jax.distributed.initialize(f.coordinator_address, f.num_processes, f.process_id)
+
+
 def run(main: Callable[[list[str]], None], module: str) -> None:
   """app.run(main) with `module`'s flags shown by --help, quiet libraries and the host's platform."""
   for flag in flags.FLAGS.get_key_flags_for_module(module):
