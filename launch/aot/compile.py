@@ -320,7 +320,7 @@ def run():
       "chips of v5litepod-16), v5p:2x2x2, v6e:2x2.")
   flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
   flags.mark_flags_as_required(["config"])
-  cli.run(main, __name__)
+  cli.run(main, __name__, config_storage=False)  # compiles only: reads no data, writes nowhere
 
 
 if __name__ == "__main__":

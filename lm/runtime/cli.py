@@ -159,8 +159,10 @@ def join_distributed() -> None:
     jax.distributed.initialize(f.coordinator_address, f.num_processes, f.process_id)
 
 
-def run(main: Callable[[list[str]], None], module: str) -> None:
-  """app.run(main) with `module`'s flags shown by --help, quiet libraries and the host's platform."""
+def run(main: Callable[[list[str]], None], module: str, *, config_storage: bool = True) -> None:
+  """app.run(main) with `module`'s flags shown by --help, quiet libraries and the host's platform.
+  config_storage=False: the command touches none of the paths its --config names (lm-compile), so
+  their storage is not probed."""
   for flag in flags.FLAGS.get_key_flags_for_module(module):
     flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
   choose_platform()
@@ -170,7 +172,7 @@ def run(main: Callable[[list[str]], None], module: str) -> None:
       logging.set_verbosity(logging.WARNING)
     if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
       use_cpu_devices(flags.FLAGS.config.get("cpu_devices", 0))
-    _check_remote_paths(argv)
+    _check_remote_paths(argv, config_storage)
     main(argv)
 
   sys.unraisablehook = _ignore_late_completions
@@ -181,12 +183,12 @@ def run(main: Callable[[list[str]], None], module: str) -> None:
   app.run(configured_main, flags_parser=_parse_flags)
 
 
-def _check_remote_paths(argv: list[str]) -> None:
+def _check_remote_paths(argv: list[str], config_storage: bool = True) -> None:
   """Stops the command with one line if storage that a gs:// flag, argument or config field names
   cannot be reached: before anything is written, and in seconds rather than after the clients'
   retries."""
   values = [flags.FLAGS[name].value for name in flags.FLAGS] + argv[1:]
-  if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
+  if config_storage and "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
     values += _leaves(flags.FLAGS.config.to_dict())
   remote = [v for v in values if isinstance(v, str) and v.startswith("gs://")]
   remote += [
