@@ -1,7 +1,7 @@
 """The grid runner: attention presets x seeds x config values, one process and workdir per point.
 
 `lm-grid --config=FILE --root=DIR [--presets=softmax,linear,hyla,hyla+softmax] [--seeds=0,1]
- [--grid=train.lr=1e-3,3e-3,1e-2 ... | --best_from=OTHER_ROOT] [--config.a.b=v | --config.a.b v ...]`
+ [--grid=train.lr=1e-3,3e-3,1e-2 ... [--tune=train.lr] | --best_from=OTHER_ROOT] [--config.a.b=v ...]`
 
 A hybrid variant joins its layers' presets with + (hyla+softmax trains model.attention="hyla,softmax"),
 in --presets, point names and the summary alike.
@@ -129,7 +129,12 @@ def best_values(root: str, presets: list[str]) -> dict[str, dict[str, str]]:
   if not path.exists():
     raise GridError(f"--best_from={root} has no summary.json; run (or finish) that grid first, or "
                     f"give the path of its summary.json")
-  best = json.loads(path.read_text())["best"]
+  summary = json.loads(path.read_text())
+  if summary.get("tune", summary["axes"]) != summary["axes"]:
+    raise GridError(f"--best_from={root} tuned only {', '.join(summary['tune'])} of its axes "
+                    f"{', '.join(summary['axes'])}, so it chose no single value per preset; give the "
+                    f"compared axes with --grid and the tuned one's value with --config")
+  best = summary["best"]
   missing = [p for p in presets if p not in best]
   if missing:
     raise GridError(f"--best_from={root} chose no values for {', '.join(missing)} (it ran "
@@ -360,12 +365,15 @@ def done(workdir: epath.Path, steps: int) -> dict | None:
 
 
 def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list[str],
-         axes: dict[str, list[str]], root: str, latent_args: tuple[str, ...] = (),
-         best_from: str | None = None, kept: tuple[str, ...] = (), harness_args: tuple[str, ...] = ()) -> str:
+         axes: dict[str, list[str]], root: str, latent_args: tuple[str,
+                                                                   ...] = (), best_from: str | None = None,
+         kept: tuple[str, ...] = (), harness_args: tuple[str,
+                                                         ...] = (), tune: list[str] | None = None) -> str:
   """Trains every point not yet done, then writes the summary; returns its markdown. latent_args:
   lm-latent's flags for the compositional tasks; kept: other grids' summary.json files whose points
   the summary counts too; harness_args: lm-harness's flags (--tasks=...) to score every finished
-  point with (none: no harness evaluation)."""
+  point with (none: no harness evaluation); tune: the axes each variant's best value is chosen over
+  (None: all of them), the others compared value by value."""
   chosen = None
   if best_from:
     if axes:
@@ -373,6 +381,9 @@ def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list
                       "chose), not both")
     chosen = best_values(best_from, presets)
     axes = {k: sorted({v[k] for v in chosen.values()}) for k in next(iter(chosen.values()))}
+  if tune is not None and (unknown := [t for t in tune if t not in axes]):
+    raise GridError(f"--tune={','.join(unknown)} is not a --grid axis (the axes: "
+                    f"{', '.join(axes) or 'none'}); tune a field that --grid gives values")
   root = epath.Path(root)
   base, points = plan(config_file, overrides, presets, seeds, axes, chosen)
   if harness_args and base.task != "lm":
@@ -385,7 +396,7 @@ def grid(config_file: str, overrides: list[str], presets: list[str], seeds: list
   global _stop
   _stop = StopRequest()
   try:
-    return _grid_points(root, config_file, points, list(axes), latent_args, kept, harness_args)
+    return _grid_points(root, config_file, points, list(axes), latent_args, kept, harness_args, tune)
   finally:
     _stop.restore()
     _stop = None
@@ -398,7 +409,8 @@ def _stopped(name: str, saved: str) -> SystemExit:
 
 
 def _grid_points(root: epath.Path, config_file: str, points: list[dict], axes: list[str],
-                 latent_args: tuple[str, ...], kept: tuple[str, ...], harness_args: tuple[str, ...]) -> str:
+                 latent_args: tuple[str, ...], kept: tuple[str, ...], harness_args: tuple[str, ...],
+                 tune: list[str] | None) -> str:
   n, trained_seconds, trained = len(points), 0.0, 0
   for i, p in enumerate(points, 1):
     workdir = root / p["name"]
@@ -417,17 +429,17 @@ def _grid_points(root: epath.Path, config_file: str, points: list[dict], axes: l
       trained_seconds += time.perf_counter() - start
       trained += 1
       # After every point: a grid stopped or still running has the summary of what finished.
-      grid_summary.write(root, config_file, axes, kept)
+      grid_summary.write(root, config_file, axes, kept, tune)
       if _stop.requested:  # asked during the point's last evaluation, or after it
         raise _stopped(p["name"], "it finished")
       if harness_args:  # after the stop check: a SIGTERM does not wait for the harness
         harness_point(workdir, p["config"].train.steps, list(harness_args))
-        grid_summary.write(root, config_file, axes, kept)
+        grid_summary.write(root, config_file, axes, kept, tune)
     else:
       print(f"grid: point {i} of {n}: {p['name']} is done (step {finished['step']}); kept", flush=True)
       if harness_args:
         harness_point(workdir, finished["step"], list(harness_args))
-  return grid_summary.write(root, config_file, axes, kept)
+  return grid_summary.write(root, config_file, axes, kept, tune)
 
 
 def main(argv):
@@ -439,7 +451,7 @@ def main(argv):
                 FLAGS.presets, FLAGS.seeds, parse_axes(FLAGS.grid), FLAGS.root,
                 [f"--examples={FLAGS.latent_examples}"] +
                 ([f"--paper_examples={FLAGS.latent_paper_examples}"] if FLAGS.latent_paper_examples else []),
-                FLAGS.best_from, tuple(FLAGS.kept), harness_flags(FLAGS))
+                FLAGS.best_from, tuple(FLAGS.kept), harness_flags(FLAGS), FLAGS.tune or None)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"lm-grid: {e}") from e
   print(text, end="")
@@ -474,6 +486,9 @@ def run():
   flags.DEFINE_multi_string(
       "grid", [], "FIELD=V1,V2,...: an axis of config values, e.g. "
       "train.lr=1e-3,3e-3,1e-2; repeat the flag for more axes.")
+  flags.DEFINE_list(
+      "tune", [], "The --grid axes each variant's best value is chosen over (default: all of them); "
+      "the other axes are compared value by value, e.g. --tune=train.lr with --grid=model.D=32,64.")
   flags.DEFINE_string(
       "best_from", None, "Root of a finished grid, or its summary.json: each preset runs at "
       "the config values that grid chose for it (its lowest mean loss), instead of --grid.")

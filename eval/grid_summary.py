@@ -130,22 +130,29 @@ def group(points: list[dict], task: str) -> list[dict]:
   return sorted(out, key=lambda r: _order(r["preset"], r["values"]))
 
 
-def best(rows: list[dict]) -> dict[str, dict]:
-  """Per preset, its row with the lowest mean selection loss."""
+def best(rows: list[dict], tune: list[str] | None = None) -> dict[str, dict]:
+  """Per preset, its row with the lowest mean selection loss over the tuned axes (None: every axis).
+  The other axes are compared, not tuned: each of their values has its own best row, labelled
+  "preset (field=value, ...)" and holding those values as "fixed"."""
   chosen = {}
   for row in rows:
-    if row["preset"] not in chosen or row["select"][0] < chosen[row["preset"]]["select"][0]:
-      chosen[row["preset"]] = row
+    fixed = {k: v for k, v in row["values"].items() if tune is not None and k not in tune}
+    label = row["preset"] + (" (" + ", ".join(f"{k}={v}" for k, v in fixed.items()) + ")" if fixed else "")
+    if label not in chosen or row["select"][0] < chosen[label]["select"][0]:
+      chosen[label] = dict(row, fixed=fixed)
   return chosen
 
 
 def paired(chosen: dict[str, dict], points: list[dict], task: str) -> list[dict]:
-  """For every pair of presets at their best values: per seed both ran, the difference of each
-  metric (same seed, so the same initialisation stream and data order); mean ± s.e. over seeds."""
+  """For every pair of presets at their best values (and the same compared values): per seed both
+  ran, the difference of each metric (same seed, so the same initialisation stream and data order);
+  mean ± s.e. over seeds."""
   by_name = {p["name"]: p for p in points}
   out, presets = [], list(chosen)
   for i, a in enumerate(presets):
     for b in presets[i + 1:]:
+      if chosen[a]["fixed"] != chosen[b]["fixed"]:
+        continue
       runs_a = {by_name[n]["seed"]: by_name[n] for n in chosen[a]["points"]}
       runs_b = {by_name[n]["seed"]: by_name[n] for n in chosen[b]["points"]}
       seeds = sorted(set(runs_a) & set(runs_b))
@@ -169,7 +176,7 @@ def _resolved(mean: float, se: float | None, seeds: int) -> str:
   return f"{'yes' if ratio > needed else 'no'} ({ratio:.1f} s.e.; 95% needs {needed:.1f})"
 
 
-def markdown(task: str, config_file: str, axes: list[str], rows: list[dict], chosen: dict, pairs: list[dict],
+def markdown(task: str, config_file: str, tune: list[str], rows: list[dict], chosen: dict, pairs: list[dict],
              plots: list[str]) -> str:
   labels = [m[0] for m in METRICS[task]]
   fmt_values = lambda v: ", ".join(f"{k}={x}" for k, x in v.items()) or "(config as given)"
@@ -183,7 +190,7 @@ def markdown(task: str, config_file: str, axes: list[str], rows: list[dict], cho
     lines.append(f"| {r['preset']} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | " +
                  " | ".join(_cell(*r[l], l) for l in labels) + " |")
   lines += [
-      "", f"## Each variant at its best {', '.join(axes) or 'config'}", "",
+      "", f"## Each variant at its best {', '.join(tune) or 'config'}", "",
       "| attention | best | seeds | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)
   ]
   for preset, r in chosen.items():
@@ -229,9 +236,12 @@ def sensitivity_plot(rows: list[dict], axis: str, task: str, path: epath.Path) -
   return True
 
 
-def write(root: epath.Path, config_file: str, axes: list[str], kept: tuple[str, ...] = ()) -> str:
+def write(root: epath.Path, config_file: str, axes: list[str], kept: tuple[str, ...] = (),
+          tune: list[str] | None = None) -> str:
   """Writes root/summary.md, summary.json and the plots from every finished point in root and in the
-  kept summary.json files; the curves plot only the points whose workdirs are in root."""
+  kept summary.json files; the curves plot only the points whose workdirs are in root. tune: the axes
+  each variant's best value is chosen over (None: all); the others are compared value by value."""
+  tune = list(axes) if tune is None else list(tune)
   own = load_points(root)
   if not own:
     raise ValueError(f"{root} has no finished grid point to summarise")
@@ -239,7 +249,7 @@ def write(root: epath.Path, config_file: str, axes: list[str], kept: tuple[str, 
   here = {p["name"] for p in own}
   points = own + kept_points(list(kept), task, config_file, axes, set(here))
   rows = group(points, task)
-  chosen = best(rows)
+  chosen = best(rows, tune)
   pairs = paired(chosen, points, task)
   plots, curves = [], {}
   for axis in axes:
@@ -258,7 +268,7 @@ def write(root: epath.Path, config_file: str, axes: list[str], kept: tuple[str, 
     compare.plot(runs, str(root / "curves.png"), split, key, compare.INSTANCE_AXES)
     plots.append("curves.png")
     curves = compare.curves(runs, key, compare.INSTANCE_AXES[0][1])
-  text = markdown(task, config_file, axes, rows, chosen, pairs, plots)
+  text = markdown(task, config_file, tune, rows, chosen, pairs, plots)
   harness_text, harness = harness_paired.grid_section(root, chosen, points)
   text += harness_text
   if kept:
@@ -272,6 +282,7 @@ def write(root: epath.Path, config_file: str, axes: list[str], kept: tuple[str, 
               "task": task,
               "config_file": config_file,
               "axes": axes,
+              "tune": tune,
               "select": SELECT[task],
               "rows": rows,
               "best": chosen,

@@ -183,9 +183,11 @@ def test_hybrids_are_named_with_plus_in_the_grid(tmp_path):
 # --- the summary on hand-made points -------------------------------------------------------------
 
 
-def fake_point(root, preset, seed, lr, loss, steps=10):
-  """A finished point as lm-grid leaves it: config.json, the training log and point.json."""
-  name = grid.point_name(preset, seed, {"train.lr": lr})
+def fake_point(root, preset, seed, lr, loss, steps=10, values=None):
+  """A finished point as lm-grid leaves it: config.json, the training log and point.json. values:
+  the point's grid values (default: train.lr alone)."""
+  values = values or {"train.lr": lr}
+  name = grid.point_name(preset, seed, values)
   workdir = root / name
   c = tiny.get_config()
   c.model.attention, c.seed, c.train.lr, c.train.steps = preset.replace("+", ","), seed, float(lr), steps
@@ -213,9 +215,7 @@ def fake_point(root, preset, seed, lr, loss, steps=10):
           "name": name,
           "preset": preset,
           "seed": seed,
-          "values": {
-              "train.lr": lr
-          },
+          "values": values,
           "task": "lm",
           "step": steps,
           "train_seconds": 1.0,
@@ -254,6 +254,38 @@ def test_summary_picks_each_variants_lr_and_pairs_seeds(tmp_path):
   assert "| softmax | train.lr=1e-2 | 0, 1 | 4.2000 ± 0.2000 |" in text
   for plot in ("sensitivity_train.lr.png", "curves.png", "curves_positions.png"):
     assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tune_chooses_the_lr_per_width_and_pairs_within_a_width(tmp_path):
+  # Each width has its own best lr; variants are compared at the same width only.
+  losses = {
+      ("softmax", "32", "1e-3"): 5.0,
+      ("softmax", "32", "1e-2"): 4.0,
+      ("softmax", "64", "1e-3"): 3.0,
+      ("softmax", "64", "1e-2"): 3.5,
+      ("hyla", "32", "1e-3"): 4.5,
+      ("hyla", "64", "1e-3"): 3.2
+  }
+  for (preset, width, lr), loss in losses.items():
+    fake_point(tmp_path, preset, 0, lr, loss, values={"model.D": width, "train.lr": lr})
+  text = grid_summary.write(tmp_path, TINY, ["model.D", "train.lr"], tune=["train.lr"])
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert {
+      k: r["values"]["train.lr"] for k, r in summary["best"].items()
+  } == {
+      "softmax (model.D=32)": "1e-2",
+      "softmax (model.D=64)": "1e-3",
+      "hyla (model.D=32)": "1e-3",
+      "hyla (model.D=64)": "1e-3"
+  }
+  assert summary["tune"] == ["train.lr"] and "## Each variant at its best train.lr" in text
+  assert sorted(
+      (p["a"], p["b"]) for p in summary["paired"]) == [("softmax (model.D=32)", "hyla (model.D=32)"),
+                                                       ("softmax (model.D=64)", "hyla (model.D=64)")]
+  with pytest.raises(grid.GridError, match="tuned only train.lr"):
+    grid.best_values(str(tmp_path), ["softmax"])
+  with pytest.raises(grid.GridError, match="--tune=model.F is not a --grid axis"):
+    grid.grid(TINY, [], ["softmax"], ["0"], {"train.lr": ["1e-3"]}, str(tmp_path / "g"), tune=["model.F"])
 
 
 def test_best_from_takes_a_root_or_its_summary_file(tmp_path):
