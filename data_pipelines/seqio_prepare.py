@@ -2,7 +2,7 @@
 (the library of `lm-prepare --seqio_task`, whose command line is launch/prepare.py).
 
 The modules that register the user's tasks are imported (and ours, data_pipelines/seqio_tasks.py),
-then each split becomes N shards: shard i holds what seqio gives for
+then each split becomes N shards (N per split): shard i holds what seqio gives for
 `seqio.ShardInfo(i, N)`, from the task's own source, preprocessors and vocabulary, one pass,
 unshuffled (lm-train shuffles, packs and splits it between hosts itself). A record is one `targets`
 sequence as the task ends it. A pool of worker processes writes the shards; a shard is done once its
@@ -55,6 +55,21 @@ def parse_splits(text: str) -> dict[str, str]:
   """`train,validation=test` → {"train": "train", "validation": "test"}: our split = the task's."""
   pairs = [item.split("=", 1) if "=" in item else (item, item) for item in filter(None, text.split(","))]
   return {ours.strip(): theirs.strip() for ours, theirs in pairs}
+
+
+def parse_shards(text: str, splits: Sequence[str]) -> dict[str, int]:
+  """`64`: 64 shards of each split; `train=1024,validation=8`: per split (8 for a split not named)."""
+  try:
+    pairs = [item.split("=", 1) for item in filter(None, text.split(","))] if "=" in text else []
+    counts = {**dict.fromkeys(splits, 8), **{k.strip(): int(v) for k, v in pairs}}
+    if not pairs:
+      counts = dict.fromkeys(splits, int(text))
+  except ValueError:
+    counts = {}
+  if set(counts) != set(splits) or min(counts.values()) < 1:
+    raise ValueError(f"--seqio_shards={text}: give a count of 1 or more for each split, or SPLIT=COUNT "
+                     f"pairs of the splits {', '.join(splits)}")
+  return counts
 
 
 def _is(task_or_mixture) -> str:
@@ -234,12 +249,12 @@ def _write_vocabulary(output: epath.Path, task_or_mixture, vocab: seqio.Sentence
 
 
 def prepare_task(name: str, output: epath.Path, *, modules: Sequence[str] = (),
-                 splits: dict[str, str] = SPLITS, shards: int = 8, workers: int = 1, length: int = 0,
-                 tfds_data_dir: str = "", progress: bool = True) -> dict[str, dict]:
-  """Writes `shards` shards of each split of the task or mixture `name` into output (`splits`: our
-  split → the task's; `length`: the targets length for tasks whose preprocessors need one, which seqio
+                 splits: dict[str, str] = SPLITS, shards: dict[str, int] | None = None, workers: int = 1,
+                 length: int = 0, tfds_data_dir: str = "", progress: bool = True) -> dict[str, dict]:
+  """Writes shards[split] shards (default 8) of each split of the task or mixture `name` into output
+  (`splits`: our split → the task's; `length`: the targets length for tasks whose preprocessors need one, which seqio
   then trims to); returns per-split totals."""
-  modules = tuple(modules)
+  modules, shards = tuple(modules), shards or dict.fromkeys(splits, 8)
   task_or_mixture = provider(name, modules, tfds_data_dir)
   vocab = vocabulary(task_or_mixture)
   _check_splits(task_or_mixture, splits)
@@ -247,12 +262,12 @@ def prepare_task(name: str, output: epath.Path, *, modules: Sequence[str] = (),
   output.mkdir(parents=True, exist_ok=True)
   (output / "stats").mkdir(exist_ok=True)
   # What output holds of another preparation refuses the run before anything is written.
-  prepare.check_output(output, hashlib.sha256(model_bytes).hexdigest(), {s: shards for s in splits})
-  jobs = [(os.fspath(output / records.shard_name(split, i, shards)), split, theirs, i, shards)
+  prepare.check_output(output, hashlib.sha256(model_bytes).hexdigest(), shards)
+  jobs = [(os.fspath(output / records.shard_name(split, i, shards[split])), split, theirs, i, shards[split])
           for split, theirs in splits.items()
-          for i in range(shards)]
+          for i in range(shards[split])]
   _check_made_from(jobs, name)
   _write_vocabulary(output, task_or_mixture, vocab, model_bytes)
-  totals = {s: {"shards": shards, "documents": 0, "bytes": 0, "tokens": 0, "skipped": 0} for s in splits}
+  totals = {s: {"shards": shards[s], "documents": 0, "bytes": 0, "tokens": 0, "skipped": 0} for s in splits}
   work = functools.partial(convert, name=name, modules=modules, length=length, tfds_data_dir=tfds_data_dir)
   return prepare.run_jobs(work, jobs, [job[0] for job in jobs], totals, workers=workers, progress=progress)

@@ -35,8 +35,6 @@ def main(argv):
     if given:
       raise SystemExit(
           f"lm-prepare: --seqio_task takes its text and vocabulary from the task; drop {', '.join(given)}")
-    if FLAGS.seqio_shards < 1:
-      raise SystemExit(f"lm-prepare: --seqio_shards={FLAGS.seqio_shards}: give 1 or more shards per split")
   elif not (FLAGS.train and FLAGS.validation):
     raise SystemExit("lm-prepare: give --train=GLOB and --validation=GLOB, or --seqio_task=NAME")
   if FLAGS.train_tokenizer and FLAGS.pretokenize:
@@ -80,10 +78,10 @@ def _prepare_seqio(output: epath.Path) -> dict:
   except ModuleNotFoundError as e:
     raise ValueError(f"--seqio_task needs the seqio extra ({e}): pip install -e '.[seqio]', in a venv of "
                      f"its own (docs/guides/seqio.md)") from e
-  totals = seqio_prepare.prepare_task(FLAGS.seqio_task, output, modules=FLAGS.seqio_module,
-                                      splits=seqio_prepare.parse_splits(FLAGS.seqio_splits),
-                                      shards=FLAGS.seqio_shards, workers=FLAGS.workers,
-                                      length=FLAGS.seqio_sequence_length,
+  splits = seqio_prepare.parse_splits(FLAGS.seqio_splits)
+  totals = seqio_prepare.prepare_task(FLAGS.seqio_task, output, modules=FLAGS.seqio_module, splits=splits,
+                                      shards=seqio_prepare.parse_shards(FLAGS.seqio_shards, list(splits)),
+                                      workers=FLAGS.workers, length=FLAGS.seqio_sequence_length,
                                       tfds_data_dir=FLAGS.seqio_tfds_data_dir)
   tok = tokenizer_lib.Tokenizer(output / seqio_prepare.VOCABULARY)
   print(f"vocabulary: {tok.path}, {tok.vocab_size} ids (set model.V={tok.vocab_size})")
@@ -107,7 +105,9 @@ def run():
   flags.DEFINE_string(
       "seqio_splits", "train,validation", "Splits to write, comma-separated; OURS=THEIRS "
       "takes our split from another of the task's (validation=test).")
-  flags.DEFINE_integer("seqio_shards", 8, "Shards per split: seqio.ShardInfo(i, N) of the task each.")
+  flags.DEFINE_string(
+      "seqio_shards", "8", "Shards per split, each seqio.ShardInfo(i, N) of the task: N, or "
+      "SPLIT=N pairs (train=1024,validation=8; at most a split's files, or each shard reads them all).")
   flags.DEFINE_integer(
       "seqio_sequence_length", 0, "Targets length for tasks whose preprocessors need one "
       "(seqio trims to it); 0: none, whole documents.")

@@ -143,7 +143,7 @@ def test_a_mixture_prepared_trains_and_resumes_exactly_without_tensorflow(tasks_
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), HERE])}
   result = subprocess.run([
       sys.executable, "-m", "launch.prepare", "--seqio_task=local_mix", "--seqio_module=local_tasks",
-      f"--output={data}", "--seqio_shards=3", "--workers=2"
+      f"--output={data}", "--seqio_shards=train=3,validation=2", "--workers=2"
   ], capture_output=True, text=True, env=env, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "vocabulary: " in result.stdout and "(set model.V=320)" in result.stdout
@@ -163,7 +163,7 @@ def test_a_mixture_prepared_trains_and_resumes_exactly_without_tensorflow(tasks_
     ]
     prepared += _ids(data / records.shard_name("train", i, 3))
     assert prepared[-len(want):] == want
-  assert totals["train"]["documents"] == len(prepared) and totals["train"]["shards"] == 3
+  assert totals["train"]["documents"] == len(prepared) and totals["validation"]["shards"] == 2
   assert {sources_of[tuple(ids)] for ids in prepared} == {"c4", "more"}
   stamp = json.loads((data / records.TOKENIZED_BY).read_text())
   assert stamp["seqio"] == {
@@ -183,7 +183,7 @@ def test_a_mixture_prepared_trains_and_resumes_exactly_without_tensorflow(tasks_
       ValueError, match=r"train.array_record-00000-of-00003 in .* was made from seqio "
       r"'local_mix', split 'train', shard 1 of 3, not from seqio 'local_c4', split 'train', "
       r"shard 1 of 3: .*use an empty --output directory"):
-    _prepare("local_c4", data, shards=3)
+    _prepare("local_c4", data, shards={"train": 3, "validation": 2})
   assert json.loads((data / records.TOKENIZED_BY).read_text()) == stamp, "a refused run wrote nothing"
 
   # Trained from one process, then resumed by lm-train from the step-3 checkpoint: the same losses.
@@ -235,6 +235,14 @@ def test_mistakes_are_one_message_that_names_the_task_and_the_fix(tasks_dir, tmp
       ValueError, match=r"^seqio task 'local_c4' has no split 'test' \(its splits: train, "
       r"validation\); give --seqio_splits=train,validation=SPLIT"):
     _prepare("local_c4", tmp_path / "a", splits={"train": "train", "validation": "test"})
+  assert seqio_prepare.parse_splits("train,validation=test") == {"train": "train", "validation": "test"}
+  assert seqio_prepare.parse_shards("train=64", ["train", "validation"]) == {"train": 64, "validation": 8}
+  assert seqio_prepare.parse_shards("3", ["train", "validation"]) == {"train": 3, "validation": 3}
+  for wrong in ("0", "test=4", "many"):
+    with pytest.raises(
+        ValueError, match=rf"^--seqio_shards={wrong}: give a count of 1 or more for each "
+        r"split, or SPLIT=COUNT pairs of the splits train, validation$"):
+      seqio_prepare.parse_shards(wrong, ["train", "validation"])
   # The built-in C4 task, offline: TFDS c4/en:3.1.0 is not in the TFDS data dir given.
   with pytest.raises(
       ValueError, match=rf"^seqio task '{seqio_tasks.C4_TASK}' cannot list its splits .*; it "
