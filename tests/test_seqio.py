@@ -213,28 +213,38 @@ def test_a_mixture_prepared_trains_and_resumes_exactly_without_tensorflow(tasks_
   assert losses(tmp_path / "resumed") == losses(whole) and sorted(losses(whole)) == list(range(1, 7))
 
 
-def _prepare(name, output, **kw):
-  return seqio_prepare.prepare_task(name, epath.Path(output), modules=("local_tasks",), progress=False, **kw)
+def _prepare(name, output, modules=("local_tasks",), **kw):
+  return seqio_prepare.prepare_task(name, epath.Path(output), modules=modules, progress=False, **kw)
 
 
-def test_mistakes_are_one_message_that_names_the_task_and_the_fix(tasks_dir, tmp_path):
-  with pytest.raises(
-      ValueError, match=r"^no seqio task or mixture 'local_c5' is registered \(near names: "
-      r"local_c4.*\); .*--seqio_module=PKG.MODULE"):
-    _prepare("local_c5", tmp_path / "a")
-  with pytest.raises(
-      ValueError, match=r"^--seqio_module=no_such_tasks \(for --seqio_task=local_c4\) does not "
-      r"import: ModuleNotFoundError: No module named 'no_such_tasks'; install it, or put the "
-      r"folder that holds it on PYTHONPATH$"):
-    seqio_prepare.prepare_task("local_c4", epath.Path(tmp_path / "a"), modules=("no_such_tasks",))
-  with pytest.raises(
-      ValueError, match=r"^seqio task 'local_inputs_only' has no 'targets' output feature "
-      r"\(it has: inputs\); .*rekey its text to 'targets'"):
-    _prepare("local_inputs_only", tmp_path / "a")
-  with pytest.raises(
-      ValueError, match=r"^seqio task 'local_c4' has no split 'test' \(its splits: train, "
-      r"validation\); give --seqio_splits=train,validation=SPLIT"):
-    _prepare("local_c4", tmp_path / "a", splits={"train": "train", "validation": "test"})
+@pytest.mark.parametrize(
+    "name, kw, message",
+    [
+        ("local_c5", dict(), r"no seqio task or mixture 'local_c5' is registered \(near names: local_c4.*\); "
+         r"give the name as its module registers it, and --seqio_module=PKG.MODULE for each module that "
+         r"registers it$"),
+        ("local_c4", dict(modules=("no_such_tasks",)), r"--seqio_module=no_such_tasks \(for --seqio_task="
+         r"local_c4\) does not import: ModuleNotFoundError: No module named 'no_such_tasks'; install it, or put "
+         r"the folder that holds it on PYTHONPATH$"),
+        ("local_inputs_only", dict(), r"seqio task 'local_inputs_only' has no 'targets' output feature \(it "
+         r"has: inputs\); lm-prepare reads a decoder-only task's targets: rekey its text to 'targets' and "
+         r"tokenize it, as c4_v310_lm in data_pipelines/seqio_tasks.py does$"),
+        ("local_c4", dict(splits={"validation": "test"}), r"seqio task 'local_c4' has no split 'test' \(its "
+         r"splits: train, validation\); give --seqio_splits=train,validation=SPLIT to take our 'validation' "
+         r"split from one of its$"),
+        # The built-in C4 task, offline: TFDS c4/en:3.1.0 is not in the TFDS data dir given.
+        (seqio_tasks.C4_TASK, dict(modules=(), tfds_data_dir="{tmp}/tfds"), rf"seqio task "
+         rf"'{seqio_tasks.C4_TASK}' cannot list its splits .*; it reads TFDS c4/en:3.1.0 from {{tmp}}/tfds: "
+         r"build it there first"),
+    ])
+def test_a_mistake_is_one_message_that_names_the_task_and_the_fix(tasks_dir, tmp_path, name, kw, message):
+  kw = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in kw.items()}
+  with pytest.raises(ValueError, match="^" + message.replace("{tmp}", re.escape(str(tmp_path)))):
+    _prepare(name, tmp_path / "a", **kw)
+  assert not (tmp_path / "a").exists(), "nothing is written for a refused preparation"
+
+
+def test_split_and_shard_flags():
   assert seqio_prepare.parse_splits("train,validation=test") == {"train": "train", "validation": "test"}
   assert seqio_prepare.parse_shards("train=64", ["train", "validation"]) == {"train": 64, "validation": 8}
   assert seqio_prepare.parse_shards("3", ["train", "validation"]) == {"train": 3, "validation": 3}
@@ -243,13 +253,6 @@ def test_mistakes_are_one_message_that_names_the_task_and_the_fix(tasks_dir, tmp
         ValueError, match=rf"^--seqio_shards={wrong}: give a count of 1 or more for each "
         r"split, or SPLIT=COUNT pairs of the splits train, validation$"):
       seqio_prepare.parse_shards(wrong, ["train", "validation"])
-  # The built-in C4 task, offline: TFDS c4/en:3.1.0 is not in the TFDS data dir given.
-  with pytest.raises(
-      ValueError, match=rf"^seqio task '{seqio_tasks.C4_TASK}' cannot list its splits .*; it "
-      rf"reads TFDS c4/en:3.1.0 from {re.escape(str(tmp_path))}/tfds: build it there first"):
-    seqio_prepare.prepare_task(seqio_tasks.C4_TASK, epath.Path(tmp_path / "a"),
-                               tfds_data_dir=str(tmp_path / "tfds"))
-  assert not (tmp_path / "a").exists(), "nothing is written for a refused preparation"
 
 
 @pytest.mark.slow
