@@ -18,7 +18,8 @@ import json
 import multiprocessing
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import tqdm
 from etils import epath
@@ -131,8 +132,9 @@ def _worker_tokenizer(path: str) -> tokenizer_lib.Tokenizer:
   return tokenizer_lib.Tokenizer(path)
 
 
-def _check_output(output: epath.Path, tok: tokenizer_lib.Tokenizer | None, counts: dict[str, int]) -> None:
-  """Refuses to mix shards of another preparation (other inputs, format or tokenizer) into output."""
+def check_output(output: epath.Path, sha256: str | None, counts: dict[str, int]) -> None:
+  """Refuses to mix shards of another preparation (other inputs, format or tokenizer) into output;
+  sha256: the tokenizer model's of pre-tokenized shards, None for text shards."""
   stamp = output / records.TOKENIZED_BY
   for split, n in counts.items():
     others = [p.name for p in output.glob(f"{split}.array_record-*") if not p.name.endswith(f"-of-{n:05d}")]
@@ -140,13 +142,13 @@ def _check_output(output: epath.Path, tok: tokenizer_lib.Tokenizer | None, count
       raise ValueError(f"{output} holds {others[0]}, from a preparation with another number of "
                        f"'{split}' files; use an empty --output directory")
   if stamp.exists():
-    if tok is None:
+    if sha256 is None:
       raise ValueError(f"{output} holds pre-tokenized shards; add --pretokenize --tokenizer=... "
                        f"or use an empty --output directory")
-    if json.loads(stamp.read_text())["sha256"] != tok.sha256:
+    if json.loads(stamp.read_text())["sha256"] != sha256:
       raise ValueError(f"{output} was pre-tokenized with another tokenizer ({stamp}); use an empty "
                        f"--output directory")
-  elif tok is not None and list(output.glob("*.array_record-*")):
+  elif sha256 is not None and list(output.glob("*.array_record-*")):
     raise ValueError(f"{output} holds text shards; pre-tokenize into an empty --output directory")
 
 
@@ -158,7 +160,7 @@ def prepare(splits: dict[str, list[epath.Path]], output: epath.Path, *, tokenize
   tok = tokenizer_lib.Tokenizer(tokenizer) if pretokenize else None
   output.mkdir(parents=True, exist_ok=True)
   (output / "stats").mkdir(exist_ok=True)
-  _check_output(output, tok, {s: len(files) for s, files in splits.items()})
+  check_output(output, tok.sha256 if tok else None, {s: len(files) for s, files in splits.items()})
   if tok is not None:
     storage.write_bytes(output / records.TOKENIZED_BY, json.dumps(tok.fingerprint(), indent=1).encode())
   jobs = [(os.fspath(f), os.fspath(output / records.shard_name(split, i, len(files))), split)
@@ -175,9 +177,16 @@ def prepare(splits: dict[str, list[epath.Path]], output: epath.Path, *, tokenize
       } for s, f in splits.items()
   }
   work = functools.partial(convert, tokenizer=tokenizer if pretokenize else "")
+  return run_jobs(work, jobs, [shard for _, shard, _ in jobs], totals, workers=workers, progress=progress)
+
+
+def run_jobs(work: Callable[[Any], dict], jobs: list, shards: list[str], totals: dict[str, dict], *,
+             workers: int, progress: bool) -> dict[str, dict]:
+  """work(job) for every job in a pool of spawned processes, each job writing the shard of the same
+  index in `shards` and returning its stats, which are added to its split's totals."""
   try:
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-      bar = tqdm.tqdm(pool.imap_unordered(work, jobs), total=len(jobs), unit="file", disable=not progress)
+      bar = tqdm.tqdm(pool.imap_unordered(work, jobs), total=len(jobs), unit="shard", disable=not progress)
       for done in bar:
         if not done["documents"]:
           bar.write(f"warning: {done['source']} holds no documents")
@@ -189,7 +198,7 @@ def prepare(splits: dict[str, list[epath.Path]], output: epath.Path, *, tokenize
   except BaseException:
     # The pool stopped its workers mid-shard: their partial files go (on a full disk, that space is
     # the user's); finished shards stay, and a rerun redoes the rest.
-    for _, shard, _ in jobs:
+    for shard in shards:
       storage.discard_partial(shard)
     raise
   return totals

@@ -85,6 +85,11 @@ def _tokenizer(cfg: ml_collections.ConfigDict, vocab_size: int) -> Tokenizer:
                      f"but data.tokenizer is {path} (sha256 {tokenizer.sha256[:12]}…); set "
                      f"data.tokenizer to the model that tokenized it, or run `lm-prepare` again "
                      f"into another directory with this tokenizer")
+  if stamp and "seqio" in stamp and tokenizer.vocab_size != vocab_size:
+    made = stamp["seqio"]
+    raise ValueError(f"model.V={vocab_size} but {cfg.dir} holds seqio {made['kind']} '{made['task']}', "
+                     f"tokenized by its vocabulary {made['vocabulary']} of {tokenizer.vocab_size} "
+                     f"ids; set --config.model.V={tokenizer.vocab_size}")
   return tokenizer
 
 

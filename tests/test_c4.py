@@ -3,6 +3,7 @@ TFDS c4/en:3.1.0 ArrayRecord dataset read by the real `tfds.data_source`."""
 
 import collections
 import gzip
+import importlib.util
 import json
 import math
 import os
@@ -436,6 +437,8 @@ def test_lm_prepare_into_an_output_that_is_a_file_names_it(tmp_path):
     ("{d}/b.txt", [], "input {d}/b.txt does not exist"),
     ("{d}", [], "input {d} is a directory; give its files, e.g. {d}/*.json.gz"),
     ("{d}/a.txt", ["--workers=0"], "--workers=0: give 1 or more worker processes"),
+    ("{d}/a.txt", ["--seqio_task=c4_v310_lm"
+                  ], "--seqio_task takes its text and vocabulary from the task; drop --train, --validation"),
 ])
 def test_lm_prepare_input_mistakes_are_one_line(tmp_path, train, extra, message):
   """From the command, not only the library: a listed input that does not exist was a traceback."""
@@ -446,3 +449,21 @@ def test_lm_prepare_input_mistakes_are_one_line(tmp_path, train, extra, message)
   ], capture_output=True, text=True, timeout=120)
   assert result.returncode == 1
   assert result.stderr == f"lm-prepare: {message.format(d=tmp_path)}\n"
+
+
+@pytest.mark.slow
+def test_lm_prepare_without_inputs_or_without_the_seqio_extra_names_the_fix(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.prepare", f"--train={tmp_path}/*.txt", f"--output={tmp_path}"],
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr == "lm-prepare: give --train=GLOB and --validation=GLOB, or --seqio_task=NAME\n"
+  if importlib.util.find_spec("seqio"):
+    pytest.skip("seqio is installed here: tests/test_seqio.py covers --seqio_task")
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.prepare", "--seqio_task=c4_v310_lm", f"--output={tmp_path}"],
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr == (
+      "lm-prepare: --seqio_task needs the seqio extra (No module named 'seqio'): pip install "
+      "-e '.[seqio]', in a venv of its own (docs/guides/seqio.md)\n")

@@ -91,6 +91,37 @@ def test_runtime_and_attention_stay_below_the_model():
       assert ours <= {t for t in graph if t.startswith("lm.attention")} | {"lm.sharding"}, (module, ours)
 
 
+def outside_imports(root: pathlib.Path) -> dict[str, set[str]]:
+  """Module of ours → the top-level packages not of ours it imports anywhere in its source."""
+  found = {}
+  for package in ALLOWED:
+    for path in (root / package).rglob("*.py"):
+      module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+      found[module] = set()
+      for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+          found[module] |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+          found[module].add(node.module.split(".")[0])
+  return {m: names - set(ALLOWED) for m, names in found.items()}
+
+
+def test_only_the_prepare_step_imports_seqio_and_tensorflow():
+  """seqio and TensorFlow (the seqio extra) are imported by its two modules alone, and of ours only
+  lm-prepare imports those: training, evaluation and the other commands never reach them."""
+  graph, outside = import_graph(ROOT), outside_imports(ROOT)
+  heavy = {m for m, names in outside.items() if names & {"seqio", "tensorflow", "tensorflow_text"}}
+  assert heavy == {"data_pipelines.seqio_prepare", "data_pipelines.seqio_tasks"}
+  assert {m for m, targets in graph.items() if targets & heavy} - heavy == {"launch.prepare"}
+  reached, todo = set(), [m for m in graph if m != "launch.prepare" and m not in heavy]
+  while todo:
+    module = todo.pop()
+    if module not in reached:
+      reached.add(module)
+      todo += graph[module]
+  assert not reached & heavy, reached & heavy
+
+
 def test_the_check_finds_a_cycle_and_an_upward_import(tmp_path):
   for package in ALLOWED:
     (tmp_path / package).mkdir()
