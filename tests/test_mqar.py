@@ -190,3 +190,54 @@ def test_every_main_variant_trains_through_lm_train(tmp_path):
   assert "step 4/4 | loss" in result.stdout
   final = compare.read_run(str(tmp_path), "test")["evals"][-1]
   assert final["step"] == 4 and final["queries"] == 80 and 0 <= final["accuracy"] <= 1
+
+
+@pytest.mark.slow
+def test_report_plots_accuracy_against_width_and_the_decoding_states_bytes(tmp_path):
+  """benchmarks/mqar_report.py on a hand-made summary: the state is the key/value cache for softmax
+  and HYLA (L x 2 x H x T x K floats) and the constant recurrent state for linear attention and GLA
+  (L x H x K x K), plus the cache's one position counter."""
+  best = {}
+  for preset in ("softmax", "linear", "hyla", "gla"):
+    for width, accuracy in (("32", [0.5, 0.1]), ("64", [0.9, None])):
+      name = f"{preset}_seed0_model.D={width}_data.num_kv_pairs=8_train.lr=1e-3"
+      c = mqar_config.get_config()
+      c.model.update(D=int(width), attention=preset)
+      (tmp_path / name).mkdir()
+      (tmp_path / name / "config.json").write_text(c.to_json())
+      best[f"{preset} (model.D={width}, data.num_kv_pairs=8)"] = {
+          "preset": preset,
+          "values": {
+              "model.D": width,
+              "data.num_kv_pairs": "8",
+              "train.lr": "1e-3"
+          },
+          "seeds": [0],
+          "points": [name],
+          "query accuracy": accuracy
+      }
+  (tmp_path / "summary.json").write_text(
+      json.dumps({
+          "task": "mqar",
+          "axes": ["model.D", "data.num_kv_pairs", "train.lr"],
+          "best": best
+      }))
+  out = tmp_path / "report"
+  result = subprocess.run(
+      [sys.executable, "benchmarks/mqar_report.py", f"--summary={tmp_path}/summary.json", f"--prefix={out}"],
+      capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)), env={
+          **os.environ, "JAX_PLATFORMS": "cpu"
+      })
+  assert result.returncode == 0, result.stderr[-3000:]
+  table = json.loads((tmp_path / "report.json").read_text())
+  assert [(r["variant"], r["D"]) for r in table
+         ] == [(p, d) for p in ("softmax", "linear", "hyla", "gla") for d in (32, 64)]
+  L, H, T = 2, 4, 128
+  for r in table:
+    K = r["D"] // H
+    cache = L * 2 * H * T * K * 4 if r["variant"] in ("softmax", "hyla") else L * H * K * K * 4
+    assert r["state_bytes"] == cache + 4, r
+    assert r["floor"] == 1 / 4096
+  assert "| 8 | softmax | 64 | 1e-3 | 0 | 0.900 | 131,076 |" in result.stdout
+  for plot in ("report_width.png", "report_state.png"):
+    assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
