@@ -24,6 +24,8 @@ import tempfile
 
 _NUMBERS = re.compile(r"^\s*\d+(\s+\d+)+\s*$")
 _INNER_LOOP = re.compile(r"^\s*0x[0-9a-f]+\s+[A-Z]*:\s*>>\s", re.M)
+# The LLO passes whose listings the child dumps (libtpu's --xla_jf_dump_llo_pass_label_regex).
+_FINAL_LISTINGS = "final_(bundles|hlo-static-per-bundle-utilization)"
 # lm/attention/__init__.py's implementations that run Pallas kernels on TPU, and those whose kernels this times
 # (not flash attention's, which softmax runs only with a position bias).
 PALLAS = ("pallas_hypernetwork_keep_z", "pallas_hypernetwork", "splash", "pallas_linear", "pallas")
@@ -144,8 +146,11 @@ def _kernels(spec: dict, itemsize: int):
 
 def _compile_and_read(spec: dict) -> dict:
   with tempfile.TemporaryDirectory() as dump:
+    # Only the final listings, which `bundles`, `units` and `operations` read: by default libtpu writes
+    # the LLO after every pass, hundreds of MB for HYLA's kernels, and writing them is slow.
     os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
-                                      f" --xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true")
+                                      f" --xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true"
+                                      f" --xla_jf_dump_llo_pass_label_regex={_FINAL_LISTINGS}")
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
