@@ -181,8 +181,11 @@ def test_remat_and_bfloat16_keep_the_function():
     recompute = model_lib.Transformer(
         model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla", remat=remat))
     out, grads = _output_and_grads(recompute, params, tokens_bt)
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads, ref_grads)
+    # Recomputation may sum in another order: its error is a few float32 ulps of each array's scale
+    # (about 20 here), which an element near 0 gets too.
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * np.abs(b).max()), grads,
+                 ref_grads)
   bf16 = model_lib.Transformer(
       model_lib.ModelConfig(V=50, D=32, H=4, L=2, F=64, attention="hyla", dtype="bfloat16"))
   out = bf16.apply({"params": params}, tokens_bt)
@@ -391,8 +394,12 @@ def test_readout_last_is_the_full_models_last_rows_with_dropout_and_gradients(na
   ]
   # HYLA's gradients follow the summation order (relu at z near 0): the full model's two implementations
   # (blocked, reference) differ by up to 3e-3 relative here, the trimmed model from the full by 4e-4.
+  # That order's error is relative to a gradient's scale, not to each element: an element near 0 gets
+  # the same absolute error as the largest.
   rtol = 1e-3 if name == "hyla" else 1e-4
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6), *grads)
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=max(1e-6,
+                                                                        rtol * np.abs(b).max())), *grads)
   assert float(jnp.abs(jax.tree.leaves(grads[1]["block_1"]["attn"]["wq"])[0]).max()) > 0
 
 
