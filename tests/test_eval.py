@@ -399,3 +399,23 @@ def test_a_run_saved_with_a_tpu_kernel_names_the_flag_and_the_choices_here(train
   assert len(
       sample.sample(str(trained), "a", sampling=sample.decode.Sampling(0.0, 0, 1.0), max_new_tokens=2,
                     attention_impl="auto")) == 1
+
+
+@pytest.mark.slow
+def test_harness_throughput_benchmark_times_both_passes_over_what_it_scored(trained, tmp_path):
+  """benchmarks/harness_throughput.py on a trained run: its counts are those of the requests it made,
+  packed as lm-harness packs them, and both passes were timed."""
+  out = tmp_path / "throughput.json"
+  result = subprocess.run([
+      sys.executable, "benchmarks/harness_throughput.py", f"--workdir={trained}", "--requests=16",
+      "--batch_size=4", "--repeats=1", f"--json={out}"
+  ], capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)), env={
+      **os.environ, "JAX_PLATFORMS": "cpu"
+  })
+  assert result.returncode == 0, result.stderr[-3000:]
+  r = json.loads(out.read_text())
+  assert (r["step"], r["requests"], r["batch_size"]) == (6, 16, 4)
+  assert r["fed_tokens"] == -(-r["packed_rows"] // 4) * 4 * 32 and 16 <= r["scored_tokens"] <= 16 * 16
+  assert r["evaluate_tokens"] == evaluate.evaluate(str(trained))["tokens"]
+  assert r["harness_seconds"]["min"] > 0 and r["evaluate_seconds"]["min"] > 0
+  assert "fed / lm-evaluate" in result.stdout
