@@ -2,6 +2,7 @@
 tiny size, and reading what a run wrote; importable from config files that tests hand to `lm-train`
 in a subprocess, so it imports nothing that defines flags."""
 
+import importlib.metadata
 import os
 import pathlib
 import struct
@@ -19,8 +20,11 @@ from configs import tiny
 # processes tests start): most tests compile many small programs and run each a few steps, and
 # compiling was most of their time (the older emitters compile about 3x faster; steps run as fast).
 # The tests' assertions hold either way, up to float32 rounding; lm-compile's TPU compilation gives
-# the same figures with it (checked on configs/c4_50m.py).
-FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# the same figures with it (checked on configs/c4_50m.py). jaxlib 0.12's XLA has only the newer
+# emitters, and the flag would be an unknown one, which stops the process.
+_OLD_EMITTERS = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 12)
+FAST_CPU_COMPILE = "--xla_backend_optimization_level=0" + (" --xla_cpu_use_fusion_emitters=false"
+                                                           if _OLD_EMITTERS else "")
 
 
 def xla_flags(devices: int) -> str:
