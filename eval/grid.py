@@ -9,19 +9,23 @@ Every point trains with lm-train into ROOT/<preset>_seed<seed>[_<field>=<value>.
 (the trainer's final evaluation, and for the compositional tasks lm-latent's latent-code decoding)
 go to ROOT/<point>/point.json, and the summary of every finished point is rewritten after each. Rerunning the
 same command keeps finished points and resumes interrupted ones from their checkpoints. The summary
-(eval/grid_summary.py) goes to ROOT/summary.md, summary.json and the plots beside them.
+(eval/grid_summary.py) goes to ROOT/summary.md, summary.json and the plots beside them, and
+ROOT/records.tar.gz holds every finished point without its checkpoints: unpacked under another
+machine's runs folder, the same command keeps those points there too.
 With --harness_tasks=wikitext,piqa,... (and --harness_data_dir, the `harness` extra) every finished point
 is also scored by lm-harness and the summary adds each variant's harness metrics and per-item paired
 differences between variants.
 """
 
 import importlib.util
+import io
 import itertools
 import json
 import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 import urllib.parse
 
@@ -38,6 +42,10 @@ from lm.runtime import cli, metrics
 
 FLAGS = flags.FLAGS
 COMPOSITIONAL = ("sraven", "fuzzy_logic")
+RECORDS = "records.tar.gz"
+# What a finished point needs to be kept and summarised on another machine: everything but its
+# checkpoints, caches and ownership files.
+POINT_RECORDS = ("point.json", "config.json", "metrics", "latent.json", "latent_embedding.png", "harness")
 AXES_OWNED = {"model.attention": "--presets", "seed": "--seeds"}
 
 
@@ -334,6 +342,26 @@ def run_point(p: dict, workdir: epath.Path, config_file: str, latent_args: list[
   storage.write_text(workdir / "point.json", json.dumps(result, indent=1) + "\n")
 
 
+def write_records(root: epath.Path) -> None:
+  """ROOT/records.tar.gz: the manifest, the summary and every finished point's records (POINT_RECORDS),
+  under the root's name. Unpacked into another machine's runs folder, the same command keeps those
+  points and summarises them with the rest."""
+  files = [root / "grid.json", *sorted(root.glob("summary.*")), *sorted(root.glob("*.png"))]
+  for point in grid_summary.load_points(root):
+    for name in POINT_RECORDS:
+      path = root / point["name"] / name
+      # metrics/ and harness/ are flat folders (a recursive glob would list a bucket by RPCs).
+      files += sorted(f for f in path.iterdir() if f.is_file()) if path.is_dir() else [path] * path.exists()
+  buffer = io.BytesIO()
+  with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+    for path in files:
+      data = path.read_bytes()
+      info = tarfile.TarInfo(f"{root.name}/{path.relative_to(root)}")
+      info.size, info.mtime = len(data), int(time.time())
+      tar.addfile(info, io.BytesIO(data))
+  storage.write_bytes(root / RECORDS, buffer.getvalue())
+
+
 def harness_point(workdir: epath.Path, steps: int, harness_args: list[str]) -> None:
   """lm-harness on a finished point (its final checkpoint), unless point.json has its results for the
   same arguments already; the headline metrics go into point.json, the items stay in its file."""
@@ -412,6 +440,12 @@ def _grid_points(root: epath.Path, config_file: str, points: list[dict], axes: l
                  latent_args: tuple[str, ...], kept: tuple[str, ...], harness_args: tuple[str, ...],
                  tune: list[str] | None) -> str:
   n, trained_seconds, trained = len(points), 0.0, 0
+
+  def summarise() -> str:
+    text = grid_summary.write(root, config_file, axes, kept, tune)
+    write_records(root)
+    return text
+
   for i, p in enumerate(points, 1):
     workdir = root / p["name"]
     finished = done(workdir, p["config"].train.steps)
@@ -429,17 +463,17 @@ def _grid_points(root: epath.Path, config_file: str, points: list[dict], axes: l
       trained_seconds += time.perf_counter() - start
       trained += 1
       # After every point: a grid stopped or still running has the summary of what finished.
-      grid_summary.write(root, config_file, axes, kept, tune)
+      summarise()
       if _stop.requested:  # asked during the point's last evaluation, or after it
         raise _stopped(p["name"], "it finished")
       if harness_args:  # after the stop check: a SIGTERM does not wait for the harness
         harness_point(workdir, p["config"].train.steps, list(harness_args))
-        grid_summary.write(root, config_file, axes, kept, tune)
+        summarise()
     else:
       print(f"grid: point {i} of {n}: {p['name']} is done (step {finished['step']}); kept", flush=True)
       if harness_args:
         harness_point(workdir, finished["step"], list(harness_args))
-  return grid_summary.write(root, config_file, axes, kept, tune)
+  return summarise()
 
 
 def main(argv):

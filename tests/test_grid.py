@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 
 import jax
@@ -327,6 +328,35 @@ def test_kept_summaries_count_in_the_tables_but_not_the_curves(tmp_path):
     grid_summary.write(here, TINY, [], (str(kept),))
 
 
+def test_records_hold_finished_points_without_checkpoints(tmp_path):
+  """A grid's results outlive its machine: records.tar.gz carries what the summary and the runner
+  read, not checkpoints, caches, ownership files or unfinished points."""
+  root = tmp_path / "grid"
+  for preset, loss in (("softmax", 4.0), ("hyla", 4.6)):
+    fake_point(root, preset, 0, "1e-3", loss)
+  for junk in ("checkpoints/10/state", "compilation_cache/entry", "owner.json"):
+    (root / "softmax_seed0_train.lr=1e-3" / junk).parent.mkdir(parents=True, exist_ok=True)
+    (root / "softmax_seed0_train.lr=1e-3" / junk).write_text("x")
+  unfinished = root / "linear_seed0_train.lr=1e-3"
+  (unfinished / "metrics").mkdir(parents=True)
+  (unfinished / "config.json").write_text("{}")
+  (root / "grid.json").write_text("{}")
+  grid_summary.write(root, TINY, ["train.lr"])
+  grid.write_records(root)
+  with tarfile.open(root / grid.RECORDS) as tar:
+    names = set(tar.getnames())
+    tar.extractall(tmp_path / "elsewhere", filter="data")
+  point_files = {
+      f"{n}_seed0_train.lr=1e-3/{f}" for n in ("softmax", "hyla") for f in ("point.json", "config.json")
+  }
+  assert point_files <= {n.removeprefix("grid/") for n in names}
+  assert {"grid/grid.json", "grid/summary.json", "grid/summary.md"} <= names
+  assert not [n for n in names if "checkpoints" in n or "cache" in n or "owner" in n or "linear" in n]
+  # What was packed is what the summary reads: the same tables from the unpacked copy.
+  assert grid_summary.write(tmp_path / "elsewhere" / "grid", TINY,
+                            ["train.lr"]) == (root / "summary.md").read_text()
+
+
 # --- end to end, in processes ---------------------------------------------------------------------
 
 SMALL = """
@@ -416,3 +446,14 @@ def test_fuzzy_logic_grid_reports_ood_r2_and_latent_decoding(tmp_path):
   curve = json.loads((tmp_path / "summary.json").read_text())["curves"]["hyla"]
   assert curve["x"] == [80, 160, 240] and curve["mean"][-1] == pytest.approx(r2) and curve["seeds"] == 1
   assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+  # On another machine: the records unpacked under a new runs folder are kept, not trained again,
+  # and give the same summary and curves.
+  elsewhere = tmp_path.parent / f"{tmp_path.name}_elsewhere"
+  with tarfile.open(tmp_path / grid.RECORDS) as tar:
+    tar.extractall(elsewhere, filter="data")
+  moved = [a.replace(f"--root={tmp_path}", f"--root={elsewhere / tmp_path.name}") for a in cmd]
+  result = run(moved)
+  assert result.returncode == 0 and "hyla_seed0 is done (step 30); kept" in result.stdout, result.stderr[
+      -3000:]
+  assert not (elsewhere / tmp_path.name / "hyla_seed0" / "checkpoints").exists()
+  assert json.loads((elsewhere / tmp_path.name / "summary.json").read_text())["curves"]["hyla"] == curve
