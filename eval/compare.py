@@ -24,6 +24,7 @@ from lm.runtime import cli, run_log
 
 matplotlib.use("Agg")  # files only: no display on training hosts
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", None, "PNG to write the perplexity plot to.")
 _TABLE = flags.DEFINE_string("table", None, "Also write the markdown table to this file.")
@@ -177,6 +178,7 @@ def plot(runs: list[dict], out: str, split: str = "validation", key: str = "perp
       if c["seeds"] > 1:
         ax.fill_between(x, y - se, y + se, color=line.get_color(), alpha=0.25, linewidth=0)
     ax.set(xlabel=xlabel, yscale="log" if key == "perplexity" else "linear")
+    ax.xaxis.set_major_formatter(ticker.EngFormatter(sep=""))  # 200k, not 200000 run into its neighbours
     ax.grid(True, which="both", alpha=0.3)
   panels[0][0].set_ylabel(f"{split} {key}" + (" (mean ± 1 s.e. over seeds)" if several else ""))
   panels[0][0].legend(fontsize=8)
