@@ -43,9 +43,9 @@ from lm.runtime import cli, metrics
 FLAGS = flags.FLAGS
 COMPOSITIONAL = ("sraven", "fuzzy_logic")
 RECORDS = "records.tar.gz"
-# What a finished point needs to be kept and summarised on another machine: everything but its
-# checkpoints, caches and ownership files.
-POINT_RECORDS = ("point.json", "config.json", "metrics", "latent.json", "latent_embedding.png", "harness")
+# What the runner and the summary read of a finished point: not its checkpoints, caches, ownership
+# files or plots (the summary redraws them).
+POINT_RECORDS = ("point.json", "config.json", "metrics", "latent.json", "harness")
 AXES_OWNED = {"model.attention": "--presets", "seed": "--seeds"}
 
 
@@ -346,12 +346,14 @@ def write_records(root: epath.Path) -> None:
   """ROOT/records.tar.gz: the manifest, the summary and every finished point's records (POINT_RECORDS),
   under the root's name. Unpacked into another machine's runs folder, the same command keeps those
   points and summarises them with the rest."""
-  files = [root / "grid.json", *sorted(root.glob("summary.*")), *sorted(root.glob("*.png"))]
+  files = [root / "grid.json", root / "summary.md", root / "summary.json"]
   for point in grid_summary.load_points(root):
     for name in POINT_RECORDS:
       path = root / point["name"] / name
-      # metrics/ and harness/ are flat folders (a recursive glob would list a bucket by RPCs).
-      files += sorted(f for f in path.iterdir() if f.is_file()) if path.is_dir() else [path] * path.exists()
+      if path.is_dir():  # metrics/ and harness/ are flat (a recursive glob would list a bucket by RPCs)
+        files += sorted(f for f in path.iterdir() if f.is_file())
+      elif path.exists():
+        files.append(path)
   buffer = io.BytesIO()
   with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
     for path in files:
