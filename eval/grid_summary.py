@@ -26,7 +26,9 @@ METRICS = {
     "sraven": [("OOD accuracy", "ood", "accuracy"), ("test accuracy", "test", "accuracy"),
                ("final-layer OOD rule decoding", "latent", "decoding"), ("test loss", "test", "loss")],
     "fuzzy_logic": [("OOD R²", "ood", "r2"), ("test R²", "test", "r2"), ("unknown-terms R²", "unknown", "r2"),
-                    ("final-layer OOD term decoding", "latent", "decoding"), ("test MSE", "test", "mse")],
+                    ("final-layer OOD term decoding", "latent", "decoding"),
+                    ("term-bit R² (paper code's protocol)", "latent", "paper_code.term_bits_r2"),
+                    ("test MSE", "test", "mse")],
     "mqar": [("query accuracy", "test", "accuracy"), ("test loss", "test", "loss")],
 }
 # What the best config value minimises.
@@ -75,12 +77,23 @@ def kept_points(paths: list[str], task: str, config_file: str, axes: list[str],
 
 
 def _value(point: dict, where: str, key: str) -> float:
-  return point["results"][where][key]
+  """A result of one evaluation set; a dotted key reaches into a nested record (the latent probe's)."""
+  value = point["results"][where]
+  for part in key.split("."):
+    value = value[part]
+  return value
+
+
+def _digits(label: str) -> int:
+  return 2 if "perplexity" in label else 4
 
 
 def _cell(mean: float, se: float | None, label: str) -> str:
-  digits = 2 if "perplexity" in label else 4
-  return f"{mean:.{digits}f}" + ("" if se is None else f" ± {se:.{digits}f}")
+  return f"{mean:.{_digits(label)}f}" + ("" if se is None else f" ± {se:.{_digits(label)}f}")
+
+
+def _per_seed(row: dict, label: str) -> str:
+  return " / ".join(f"{v:.{_digits(label)}f}" for v in row["per_seed"][label])
 
 
 # Joins the layers' presets of a hybrid variant in --presets, point names and the summary
@@ -122,10 +135,12 @@ def group(points: list[dict], task: str) -> list[dict]:
         "values": json.loads(values),
         "seeds": [p["seed"] for p in mine],
         "points": [p["name"] for p in mine],
-        "select": stats.mean_stderr([_value(p, *SELECT[task]) for p in mine])
+        "select": stats.mean_stderr([_value(p, *SELECT[task]) for p in mine]),
+        "per_seed": {}
     }
     for label, where, key in METRICS[task]:
-      row[label] = stats.mean_stderr([_value(p, where, key) for p in mine])
+      row["per_seed"][label] = [_value(p, where, key) for p in mine]
+      row[label] = stats.mean_stderr(row["per_seed"][label])
     out.append(row)
   return sorted(out, key=lambda r: _order(r["preset"], r["values"]))
 
@@ -158,10 +173,12 @@ def paired(chosen: dict[str, dict], points: list[dict], task: str) -> list[dict]
       seeds = sorted(set(runs_a) & set(runs_b))
       if not seeds:
         continue
-      row = {"a": a, "b": b, "seeds": seeds}
+      row = {"a": a, "b": b, "seeds": seeds, "per_seed": {}}
       for label, where, key in METRICS[task]:
-        row[label] = stats.mean_stderr(
-            [_value(runs_a[s], where, key) - _value(runs_b[s], where, key) for s in seeds])
+        row["per_seed"][label] = [
+            _value(runs_a[s], where, key) - _value(runs_b[s], where, key) for s in seeds
+        ]
+        row[label] = stats.mean_stderr(row["per_seed"][label])
       out.append(row)
   return out
 
@@ -184,11 +201,12 @@ def markdown(task: str, config_file: str, tune: list[str], rows: list[dict], cho
       f"# Grid summary: {task}, {config_file}", "",
       "Mean ± standard error over seeds (a single seed has no error bar). The best value per "
       f"variant minimises the mean {' '.join(SELECT[task])}.", "", "## Every grid point", "",
-      "| attention | values | seeds | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)
+      "| attention | values | seeds | " + " | ".join(labels) + f" | {labels[0]}, per seed |",
+      "|---|---|---|" + "---|" * (len(labels) + 1)
   ]
   for r in rows:
     lines.append(f"| {r['preset']} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | " +
-                 " | ".join(_cell(*r[l], l) for l in labels) + " |")
+                 " | ".join(_cell(*r[l], l) for l in labels) + f" | {_per_seed(r, labels[0])} |")
   lines += [
       "", f"## Each variant at its best {', '.join(tune) or 'config'}", "",
       "| attention | best | seeds | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)
@@ -199,14 +217,14 @@ def markdown(task: str, config_file: str, tune: list[str], rows: list[dict], cho
   if pairs:
     lines += [
         "", "## Paired differences (A − B, same seeds, each at its best value)", "",
-        "| A − B | seeds | " + " | ".join(f"Δ {l}" for l in labels) +
+        "| A − B | seeds | " + " | ".join(f"Δ {l}" for l in labels) + f" | Δ {labels[0]}, per seed" +
         f" | Δ {labels[0]} resolved (95% t-interval over seeds excludes 0) |",
-        "|---|---|" + "---|" * (len(labels) + 1)
+        "|---|---|" + "---|" * (len(labels) + 2)
     ]
     for p in pairs:
       lines.append(f"| {p['a']} − {p['b']} | {', '.join(map(str, p['seeds']))} | " +
                    " | ".join(_cell(*p[l], l) for l in labels) +
-                   f" | {_resolved(*p[labels[0]], len(p['seeds']))} |")
+                   f" | {_per_seed(p, labels[0])} | {_resolved(*p[labels[0]], len(p['seeds']))} |")
   lines += [""] + [f"![{name}]({name})" for name in plots]
   return "\n".join(lines) + "\n"
 

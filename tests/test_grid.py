@@ -251,9 +251,13 @@ def test_summary_picks_each_variants_lr_and_pairs_seeds(tmp_path):
   assert (pair["a"], pair["b"], pair["seeds"]) == ("softmax", "hyla", [0, 1])
   assert pair["validation loss"] == pytest.approx([-0.45, 0.15])
   # 3 standard errors of a two-seed mean: a 95% t-interval at one degree of freedom needs 12.7.
-  assert "| softmax − hyla | 0, 1 | -0.4500 ± 0.1500 |" in text and "| no (3.0 s.e.; 95% needs 12.7) |" in text
+  assert pair["per_seed"]["validation loss"] == pytest.approx([-0.6, -0.3])
+  assert "| softmax − hyla | 0, 1 | -0.4500 ± 0.1500 |" in text
+  assert "| -0.6000 / -0.3000 | no (3.0 s.e.; 95% needs 12.7) |" in text
   assert text.rstrip().endswith("curves_positions.png)")
   assert "| softmax | train.lr=1e-2 | 0, 1 | 4.2000 ± 0.2000 |" in text
+  assert summary["best"]["softmax"]["per_seed"]["validation loss"] == [4.0, 4.4]
+  assert "| 4.0000 / 4.4000 |\n" in text  # the headline per seed closes each row of every point
   for plot in ("sensitivity_train.lr.png", "curves.png", "curves_positions.png"):
     assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
 
