@@ -201,12 +201,14 @@ def markdown(task: str, config_file: str, tune: list[str], rows: list[dict], cho
       f"# Grid summary: {task}, {config_file}", "",
       "Mean ± standard error over seeds (a single seed has no error bar). The best value per "
       f"variant minimises the mean {' '.join(SELECT[task])}.", "", "## Every grid point", "",
-      "| attention | values | seeds | " + " | ".join(labels) + f" | {labels[0]}, per seed |",
-      "|---|---|---|" + "---|" * (len(labels) + 1)
+      f"| attention | values | seeds | {labels[0]} | {labels[0]}, per seed | " + " | ".join(labels[1:]) +
+      " |", "|---|---|---|" + "---|" * (len(labels) + 1)
   ]
   for r in rows:
-    lines.append(f"| {r['preset']} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | " +
-                 " | ".join(_cell(*r[l], l) for l in labels) + f" | {_per_seed(r, labels[0])} |")
+    lines.append(
+        f"| {r['preset']} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | " +
+        " | ".join([_cell(*r[labels[0]], labels[0]), _per_seed(r, labels[0])] +
+                   [_cell(*r[l], l) for l in labels[1:]]) + " |")
   lines += [
       "", f"## Each variant at its best {', '.join(tune) or 'config'}", "",
       "| attention | best | seeds | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)
@@ -217,14 +219,16 @@ def markdown(task: str, config_file: str, tune: list[str], rows: list[dict], cho
   if pairs:
     lines += [
         "", "## Paired differences (A − B, same seeds, each at its best value)", "",
-        "| A − B | seeds | " + " | ".join(f"Δ {l}" for l in labels) + f" | Δ {labels[0]}, per seed" +
-        f" | Δ {labels[0]} resolved (95% t-interval over seeds excludes 0) |",
+        f"| A − B | seeds | Δ {labels[0]} | Δ {labels[0]}, per seed | Δ {labels[0]} resolved (95% t-interval "
+        "over seeds excludes 0) | " + " | ".join(f"Δ {l}" for l in labels[1:]) + " |",
         "|---|---|" + "---|" * (len(labels) + 2)
     ]
     for p in pairs:
-      lines.append(f"| {p['a']} − {p['b']} | {', '.join(map(str, p['seeds']))} | " +
-                   " | ".join(_cell(*p[l], l) for l in labels) +
-                   f" | {_per_seed(p, labels[0])} | {_resolved(*p[labels[0]], len(p['seeds']))} |")
+      lines.append(f"| {p['a']} − {p['b']} | {', '.join(map(str, p['seeds']))} | " + " | ".join([
+          _cell(*p[labels[0]], labels[0]),
+          _per_seed(p, labels[0]),
+          _resolved(*p[labels[0]], len(p['seeds']))
+      ] + [_cell(*p[l], l) for l in labels[1:]]) + " |")
   lines += [""] + [f"![{name}]({name})" for name in plots]
   return "\n".join(lines) + "\n"
 
