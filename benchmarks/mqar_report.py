@@ -22,7 +22,7 @@ from absl import app, flags
 from etils import epath
 
 matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
+from matplotlib import pyplot as plt, ticker  # noqa: E402  (after choosing the non-interactive backend)
 
 from eval import grid_summary  # noqa: E402
 from lm import decode, model as model_lib  # noqa: E402
@@ -74,12 +74,15 @@ def plot(table: list[dict], x: str, out: str) -> None:
       mine = sorted((r for r in table if r["pairs"] == n and r["variant"] == variant), key=lambda r: r[x])
       mean = np.array([r["accuracy"][0] for r in mine])
       se = np.array([r["accuracy"][1] or 0.0 for r in mine])
-      ax.errorbar([r[x] for r in mine], mean, yerr=se, marker="o", capsize=3, color=f"C{i}", label=variant)
+      # Shapes as well as colours: variants with the same state size and accuracy would hide each other.
+      ax.errorbar([r[x] for r in mine], mean, yerr=se, marker="osD^vP"[i % 6], markerfacecolor="none",
+                  capsize=3, color=f"C{i}", label=variant)
     ax.axhline(table[0]["floor"], color="grey", linestyle=":", label="attention-free floor")
     ax.set(title=f"{n} key-value pairs", xscale="log", ylim=(-0.03, 1.03),
            xlabel="model width D" if x == "D" else "decoding state, bytes per sequence")
     if x == "D":
       ax.set_xticks(sorted({r["D"] for r in table}), [str(d) for d in sorted({r["D"] for r in table})])
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())  # labels on powers of ten only
     ax.grid(True, which="both", alpha=0.3)
   axes[0][0].set_ylabel(ACCURACY)
   axes[0][-1].legend(fontsize=7)
