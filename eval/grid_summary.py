@@ -155,7 +155,26 @@ def best(rows: list[dict], tune: list[str] | None = None) -> dict[str, dict]:
     label = row["preset"] + (" (" + ", ".join(f"{k}={v}" for k, v in fixed.items()) + ")" if fixed else "")
     if label not in chosen or row["select"][0] < chosen[label]["select"][0]:
       chosen[label] = dict(row, fixed=fixed)
+  for r in chosen.values():
+    r["at_edge"] = _at_edge(r, rows, tune)
   return chosen
+
+
+def _at_edge(chosen: dict, rows: list[dict], tune: list[str] | None) -> dict[str, str]:
+  """{axis: "largest" or "smallest"} for each numeric tuned axis whose chosen value ends the range
+  this preset tried (at its compared values): the range does not bracket the best, which may lie
+  beyond it."""
+  out = {}
+  for axis, value in chosen["values"].items():
+    if (tune is not None and axis not in tune) or not _is_number(value):
+      continue
+    tried = {
+        float(r["values"][axis]) for r in rows if r["preset"] == chosen["preset"] and all(
+            r["values"].get(k) == v for k, v in chosen["fixed"].items())
+    }
+    if len(tried) > 1 and float(value) in (min(tried), max(tried)):
+      out[axis] = "largest" if float(value) == max(tried) else "smallest"
+  return out
 
 
 def paired(chosen: dict[str, dict], points: list[dict], task: str) -> list[dict]:
@@ -216,6 +235,12 @@ def markdown(task: str, config_file: str, tune: list[str], rows: list[dict], cho
   for preset, r in chosen.items():
     lines.append(f"| {preset} | {fmt_values(r['values'])} | {', '.join(map(str, r['seeds']))} | " +
                  " | ".join(_cell(*r[l], l) for l in labels) + " |")
+  edges = [
+      f"{preset}: {axis}={r['values'][axis]} ({side})" for preset, r in chosen.items()
+      for axis, side in r["at_edge"].items()
+  ]
+  if edges:
+    lines += ["", "At the end of the range tried, so the best may lie beyond it: " + "; ".join(edges) + "."]
   if pairs:
     lines += [
         "", "## Paired differences (A − B, same seeds, each at its best value)", "",

@@ -256,6 +256,9 @@ def test_summary_picks_each_variants_lr_and_pairs_seeds(tmp_path):
   assert text.rstrip().endswith("curves_positions.png)")
   assert "| softmax | train.lr=1e-2 | 0, 1 | 4.2000 ± 0.2000 | 4.0000 / 4.4000 |" in text
   assert summary["best"]["softmax"]["per_seed"]["validation loss"] == [4.0, 4.4]
+  assert summary["best"]["softmax"]["at_edge"] == {"train.lr": "largest"}
+  assert "At the end of the range tried, so the best may lie beyond it: softmax: train.lr=1e-2 " \
+         "(largest); hyla: train.lr=1e-3 (smallest)." in text
   for plot in ("sensitivity_train.lr.png", "curves.png", "curves_positions.png"):
     assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
 
@@ -268,7 +271,9 @@ def test_tune_chooses_the_lr_per_width_and_pairs_within_a_width(tmp_path):
       ("softmax", "64", "1e-3"): 3.0,
       ("softmax", "64", "1e-2"): 3.5,
       ("hyla", "32", "1e-3"): 4.5,
-      ("hyla", "64", "1e-3"): 3.2
+      ("hyla", "64", "1e-3"): 3.2,
+      ("hyla", "64", "3e-3"): 3.1,
+      ("hyla", "64", "1e-2"): 3.4
   }
   for (preset, width, lr), loss in losses.items():
     fake_point(tmp_path, preset, 0, lr, loss, values={"model.D": width, "train.lr": lr})
@@ -280,9 +285,22 @@ def test_tune_chooses_the_lr_per_width_and_pairs_within_a_width(tmp_path):
       "softmax (model.D=32)": "1e-2",
       "softmax (model.D=64)": "1e-3",
       "hyla (model.D=32)": "1e-3",
-      "hyla (model.D=64)": "1e-3"
+      "hyla (model.D=64)": "3e-3"
   }
   assert summary["tune"] == ["train.lr"] and "## Each variant at its best train.lr" in text
+  # Only the tuned axis counts, per width: hyla tried one lr at 32 (no range) and has an inner best at 64.
+  assert {
+      k: r["at_edge"] for k, r in summary["best"].items()
+  } == {
+      "softmax (model.D=32)": {
+          "train.lr": "largest"
+      },
+      "softmax (model.D=64)": {
+          "train.lr": "smallest"
+      },
+      "hyla (model.D=32)": {},
+      "hyla (model.D=64)": {}
+  }
   assert sorted(
       (p["a"], p["b"]) for p in summary["paired"]) == [("softmax (model.D=32)", "hyla (model.D=32)"),
                                                        ("softmax (model.D=64)", "hyla (model.D=64)")]
