@@ -149,31 +149,30 @@ def best(rows: list[dict], tune: list[str] | None = None) -> dict[str, dict]:
   """Per preset, its row with the lowest mean selection loss over the tuned axes (None: every axis).
   The other axes are compared, not tuned: each of their values has its own best row, labelled
   "preset (field=value, ...)" and holding those values as "fixed"."""
-  chosen = {}
+  chosen, tried = {}, {}
   for row in rows:
     fixed = {k: v for k, v in row["values"].items() if tune is not None and k not in tune}
     label = row["preset"] + (" (" + ", ".join(f"{k}={v}" for k, v in fixed.items()) + ")" if fixed else "")
+    tried.setdefault(label, []).append(row["values"])
     if label not in chosen or row["select"][0] < chosen[label]["select"][0]:
       chosen[label] = dict(row, fixed=fixed)
-  for r in chosen.values():
-    r["at_edge"] = _at_edge(r, rows, tune)
+  for label, r in chosen.items():
+    r["at_edge"] = _at_edge(r, tried[label])
   return chosen
 
 
-def _at_edge(chosen: dict, rows: list[dict], tune: list[str] | None) -> dict[str, str]:
+def _at_edge(chosen: dict, tried: list[dict[str, str]]) -> dict[str, str]:
   """{axis: "largest" or "smallest"} for each numeric tuned axis whose chosen value ends the range
-  this preset tried (at its compared values): the range does not bracket the best, which may lie
-  beyond it."""
+  tried (the values of the rows under the chosen one's label): the range does not bracket the best,
+  which may lie beyond it."""
   out = {}
   for axis, value in chosen["values"].items():
-    if (tune is not None and axis not in tune) or not _is_number(value):
+    values = [v[axis] for v in tried]
+    if axis in chosen["fixed"] or not all(map(_is_number, values)):
       continue
-    tried = {
-        float(r["values"][axis]) for r in rows if r["preset"] == chosen["preset"] and all(
-            r["values"].get(k) == v for k, v in chosen["fixed"].items())
-    }
-    if len(tried) > 1 and float(value) in (min(tried), max(tried)):
-      out[axis] = "largest" if float(value) == max(tried) else "smallest"
+    numbers = [float(v) for v in values]
+    if len(set(numbers)) > 1 and float(value) in (min(numbers), max(numbers)):
+      out[axis] = "largest" if float(value) == max(numbers) else "smallest"
   return out
 
 
